@@ -1,0 +1,54 @@
+"""zeroshard: ZeRO-sharded, mixed-precision data-parallel training for PyTorch.
+
+Public API (DeepSpeed-compatible: ``import zeroshard as deepspeed`` runs DeepSpeed scripts):
+``initialize``, ``init_distributed``, the engine type and the error types. Heavy submodules are
+imported on first use so that ``import zeroshard`` stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from zeroshard.errors import (
+    CheckpointError,
+    ConfigError,
+    DistributedError,
+    NotYetSupportedError,
+    ZeroshardError,
+)
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from zeroshard.comm.groups import init_distributed
+    from zeroshard.engine import ZeroEngine
+    from zeroshard.initialize import initialize
+
+_LAZY = {
+    "initialize": ("zeroshard.initialize", "initialize"),
+    "init_distributed": ("zeroshard.comm.groups", "init_distributed"),
+    "ZeroEngine": ("zeroshard.engine", "ZeroEngine"),
+}
+
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "DistributedError",
+    "NotYetSupportedError",
+    "ZeroEngine",
+    "ZeroshardError",
+    "__version__",
+    "init_distributed",
+    "initialize",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'zeroshard' has no attribute {name!r}")

@@ -1,0 +1,99 @@
+"""Collectives as plain functions over an explicit process group.
+
+Each returns an async handle (``torch.distributed.Work``) when ``async_op`` is set; callers wait
+on it before touching the output. Nothing here keeps state or reads a global group: the engine
+passes its group down. Shape agreement is checked once at set-up (:func:`check_same_across_ranks`)
+because a size mismatch inside a collective hangs instead of raising.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from zeroshard.errors import DistributedError
+
+ProcessGroup = dist.ProcessGroup
+
+# torch 2.13 renamed the flat-tensor collectives; older releases only have the *_tensor names.
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+def world_size(group: ProcessGroup | None) -> int:
+    """Size of ``group`` (1 when torch.distributed is not initialized)."""
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def rank(group: ProcessGroup | None) -> int:
+    """This process's rank in ``group`` (0 when torch.distributed is not initialized)."""
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None,
+                   async_op: bool = True) -> dist.Work | None:
+    """Sum ``inp`` (``world * out.numel()`` elements) across ranks; rank r receives chunk r."""
+    if world_size(group) == 1:
+        out.copy_(inp)
+        return None
+    return _reduce_scatter_flat(out, inp, group=group, async_op=async_op)
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None,
+               async_op: bool = True) -> dist.Work | None:
+    """Concatenate every rank's ``inp`` into ``out`` in rank order."""
+    if world_size(group) == 1:
+        out.copy_(inp)
+        return None
+    return _all_gather_flat(out, inp, group=group, async_op=async_op)
+
+
+def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, async_op: bool = True,
+               op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> dist.Work | None:
+    """In-place reduction of ``tensor`` across ranks."""
+    if world_size(group) == 1:
+        return None
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> None:
+    """Blocking broadcast from global rank ``src``."""
+    if world_size(group) > 1:
+        dist.broadcast(tensor, src=src, group=group)
+
+
+def check_same_across_ranks(items: Sequence[str], group: ProcessGroup | None, what: str) -> None:
+    """Raise :class:`DistributedError` naming the first differing item if ranks disagree.
+
+    Used before any bucketed collective: ranks that built different models would otherwise
+    hang inside a collective with mismatched sizes.
+    """
+    n = world_size(group)
+    if n == 1:
+        return
+    digest = hashlib.sha256("\n".join(items).encode()).digest()[:8]
+    local = torch.tensor(list(digest), dtype=torch.uint8)
+    gathered = [torch.empty_like(local) for _ in range(n)]
+    dist.all_gather(gathered, local, group=group)
+    if all(torch.equal(g, gathered[0]) for g in gathered):
+        return
+    # Second round, only on failure: compare item by item to name the first culprit.
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+    dist.all_gather(lengths, torch.tensor([len(items)]), group=group)
+    longest = int(max(t.item() for t in lengths))
+    hashes = torch.zeros(longest, 8, dtype=torch.uint8)
+    for i, item in enumerate(items):
+        hashes[i] = torch.tensor(list(hashlib.sha256(item.encode()).digest()[:8]), dtype=torch.uint8)
+    all_hashes = [torch.empty_like(hashes) for _ in range(n)]
+    dist.all_gather(all_hashes, hashes, group=group)
+    index = next(i for i in range(longest) if any(not torch.equal(h[i], all_hashes[0][i]) for h in all_hashes))
+    bad = [r for r, h in enumerate(all_hashes) if not torch.equal(h[index], all_hashes[0][index])]
+    mine = items[index] if index < len(items) else "<missing>"
+    raise DistributedError(
+        f"{what} differ across ranks at entry {index} (ranks {bad} differ from rank 0; this rank "
+        f"has {mine!r}, {len(items)} entries in all). Every rank must build the same model, with the "
+        "same parameter names, shapes and order."
+    )

@@ -1,0 +1,78 @@
+"""Process-group set-up: torchrun's environment, or a single process with none.
+
+``init_distributed`` picks NCCL when CUDA is present and gloo otherwise, honours a group the
+user created first, and makes a plain ``python train.py`` a world of one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from zeroshard.errors import DistributedError
+
+logger = logging.getLogger("zeroshard")
+
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+_ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def default_backend() -> str:
+    """NCCL on CUDA machines, gloo elsewhere."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def local_rank() -> int:
+    """``LOCAL_RANK`` from the launcher's environment (0 without one)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def init_distributed(
+    dist_backend: str | None = None,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+    init_method: str | None = None,
+    rank: int = -1,
+    world_size: int = -1,
+    **_deepspeed_only: object,
+) -> None:
+    """Initialize ``torch.distributed`` the way DeepSpeed's ``init_distributed`` does.
+
+    Reads torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
+    ``LOCAL_RANK``). Without that environment and without ``init_method`` the process is a world
+    of one. A process group that already exists is used as it is.
+
+    Args:
+        dist_backend: ``"nccl"``, ``"gloo"``, ...; default NCCL with CUDA, else gloo.
+        timeout: collective timeout passed to the process group.
+        init_method: explicit rendezvous URL (``tcp://``, ``file://``); default ``env://``.
+        rank: explicit rank (with ``world_size`` and ``init_method``).
+        world_size: explicit world size.
+        **_deepspeed_only: DeepSpeed-only arguments (``auto_mpi_discovery``, ``verbose``, ...),
+            accepted so DeepSpeed scripts run; they have no meaning here.
+    """
+    if dist.is_initialized():
+        logger.debug("torch.distributed already initialized: using the existing process group")
+        return
+    backend = dist_backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank())
+    env_present = all(k in os.environ for k in _ENV_KEYS)
+    if init_method is None and not env_present:
+        if world_size not in (-1, 1):
+            raise DistributedError(
+                f"init_distributed(world_size={world_size}) needs torchrun's environment "
+                f"({', '.join(_ENV_KEYS)}) or an init_method; launch with `zeroshard launch`"
+            )
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
+    kwargs: dict[str, object] = {"timeout": timeout, "init_method": init_method or "env://"}
+    if rank >= 0:
+        kwargs["rank"] = rank
+    if world_size > 0:
+        kwargs["world_size"] = world_size
+    dist.init_process_group(backend, **kwargs)  # type: ignore[arg-type]
+    logger.info("initialized %s process group: rank %d of %d", backend, dist.get_rank(), dist.get_world_size())

@@ -1,0 +1,233 @@
+"""Smaller config blocks: optimizer, scheduler, checkpoint, activation checkpointing, monitors, profilers
+and NVMe asynchronous I/O (``aio``).
+
+Key names and defaults follow DeepSpeed 0.19.x (``deepspeed/runtime/constants.py``,
+``deepspeed/monitor/config.py``, ``deepspeed/profiling/constants.py``, ``deepspeed/comm/constants.py``,
+``deepspeed/runtime/activation_checkpointing/config.py``, ``deepspeed/runtime/swap_tensor/constants.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Field
+
+from zeroshard.config.fields import ConfigModel, Float, Int, upper_if_str
+
+__all__ = [
+    "AIOConfig",
+    "ActivationCheckpointingConfig",
+    "CSVMonitorConfig",
+    "CheckpointConfig",
+    "CometConfig",
+    "CommsLoggerConfig",
+    "FlopsProfilerConfig",
+    "OptimizerConfig",
+    "SchedulerConfig",
+    "TensorBoardConfig",
+    "WandbConfig",
+]
+
+
+class OptimizerConfig(ConfigModel):
+    """Optimizer built from the config (when the client passes none)."""
+
+    type: str
+    """Optimizer name, matched case-insensitively (``Adam``, ``AdamW``, ``Lamb``...)."""
+
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the optimizer; validated by the optimizer factory, not here."""
+
+    @property
+    def name(self) -> str:
+        """The optimizer type in lower case, for case-insensitive matching."""
+        return self.type.lower()
+
+
+class SchedulerConfig(ConfigModel):
+    """Learning-rate scheduler built from the config (when the client passes none)."""
+
+    type: str
+    """Scheduler name (``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``, ``OneCycle``...)."""
+
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the scheduler; validated by the scheduler factory, not here."""
+
+    @property
+    def name(self) -> str:
+        """The scheduler type in lower case, for case-insensitive matching."""
+        return self.type.lower()
+
+
+class CheckpointConfig(ConfigModel):
+    """Checkpoint saving/loading options."""
+
+    tag_validation: Annotated[Literal["WARN", "IGNORE", "FAIL"], BeforeValidator(upper_if_str)] = "WARN"
+    """What to do when ranks save under different tags: Warn, Ignore or Fail (case-insensitive)."""
+
+    load_universal: bool = False
+    """Load a universal (world-size independent) checkpoint."""
+
+    use_node_local_storage: bool = False
+    """Each node writes its checkpoint shards to node-local storage."""
+
+
+class ActivationCheckpointingConfig(ConfigModel):
+    """Activation checkpointing options (used by the activation-checkpointing API)."""
+
+    partition_activations: bool = False
+    """Partition checkpointed activations across model-parallel ranks."""
+
+    cpu_checkpointing: bool = False
+    """Offload checkpointed activations to CPU."""
+
+    contiguous_memory_optimization: bool = False
+    """Copy checkpointed activations into a contiguous buffer."""
+
+    number_checkpoints: Int | None = Field(default=None, gt=0)
+    """Number of activation checkpoints (sizes the contiguous buffer)."""
+
+    synchronize_checkpoint_boundary: bool = False
+    """Synchronize the device at each checkpoint boundary."""
+
+    profile: bool = False
+    """Log the time spent in activation checkpointing."""
+
+
+class TensorBoardConfig(ConfigModel):
+    """TensorBoard monitor."""
+
+    enabled: bool = False
+    """Log training metrics to TensorBoard."""
+
+    output_path: str = ""
+    """Directory of the event files (empty: under the launch directory)."""
+
+    job_name: str = "DeepSpeedJobName"
+    """Sub-directory name of this job inside ``output_path``."""
+
+
+class CSVMonitorConfig(ConfigModel):
+    """CSV-file monitor."""
+
+    enabled: bool = False
+    """Log training metrics to CSV files."""
+
+    output_path: str = ""
+    """Directory of the CSV files (empty: under the launch directory)."""
+
+    job_name: str = "DeepSpeedJobName"
+    """Sub-directory name of this job inside ``output_path``."""
+
+
+class WandbConfig(ConfigModel):
+    """Weights & Biases monitor."""
+
+    enabled: bool = False
+    """Log training metrics to Weights & Biases."""
+
+    group: str | None = None
+    """W&B group of the run."""
+
+    team: str | None = None
+    """W&B team (entity)."""
+
+    project: str = "deepspeed"
+    """W&B project name."""
+
+
+class CometConfig(ConfigModel):
+    """Comet monitor."""
+
+    enabled: bool = False
+    """Log training metrics to Comet."""
+
+    samples_log_interval: Int = Field(default=100, gt=0)
+    """Submit metrics every this many samples."""
+
+    project: str | None = None
+    """Comet project name."""
+
+    workspace: str | None = None
+    """Comet workspace."""
+
+    api_key: str | None = None
+    """Comet API key."""
+
+    experiment_name: str | None = None
+    """Name of the Comet experiment."""
+
+    experiment_key: str | None = None
+    """Key of an existing Comet experiment."""
+
+    online: bool | None = None
+    """Log to the Comet server (True) or store offline (False)."""
+
+    mode: str | None = None
+    """Experiment start mode: get, create or get_or_create."""
+
+
+class FlopsProfilerConfig(ConfigModel):
+    """FLOPs profiler."""
+
+    enabled: bool = False
+    """Profile the FLOPs of one training step."""
+
+    recompute_fwd_factor: Float = Field(default=0.0, ge=0)
+    """Fraction of the forward pass recomputed by activation checkpointing."""
+
+    profile_step: Int = Field(default=1, ge=1)
+    """Training step at which to profile."""
+
+    module_depth: Int = -1
+    """Depth of the module tree to report (-1: all)."""
+
+    top_modules: Int = Field(default=1, ge=1)
+    """Number of top modules to report."""
+
+    detailed: bool = True
+    """Print the detailed per-module profile."""
+
+    output_file: str | None = None
+    """File to write the profile to (None: stdout)."""
+
+
+class CommsLoggerConfig(ConfigModel):
+    """Communication logger."""
+
+    enabled: bool = False
+    """Log collective operations."""
+
+    verbose: bool = False
+    """Log every collective as it happens."""
+
+    prof_all: bool = True
+    """Profile all collectives."""
+
+    debug: bool = False
+    """Include the calling function name in the log."""
+
+    prof_ops: list[str] = Field(default_factory=list)
+    """Names of the collectives to profile when ``prof_all`` is False."""
+
+
+class AIOConfig(ConfigModel):
+    """Asynchronous I/O settings for NVMe offload."""
+
+    block_size: Int = Field(default=1_048_576, gt=0)
+    """I/O block size in bytes."""
+
+    queue_depth: Int = Field(default=8, gt=0)
+    """I/O queue depth."""
+
+    intra_op_parallelism: Int = Field(default=1, gt=0)
+    """Number of I/O threads per operation."""
+
+    single_submit: bool = False
+    """Submit requests one at a time instead of in batches."""
+
+    overlap_events: bool = True
+    """Overlap submission and completion of I/O requests."""
+
+    use_gds: bool = False
+    """Use NVIDIA GPUDirect Storage."""

@@ -1,0 +1,214 @@
+"""DeepSpeed compatibility: key aliases, and the DeepSpeed features that zeroshard does not have.
+
+A DeepSpeed key in :data:`DEEPSPEED_ONLY` is an error (``'<key>' is a DeepSpeed feature that zeroshard
+does not support``) unless its value is DeepSpeed's "off" value, in which case it changes nothing and
+is dropped (logged at debug level). It is never silently ignored while active.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from zeroshard.errors import ConfigError
+
+__all__ = [
+    "ALIASES",
+    "ANY_VALUE",
+    "DEEPSPEED_ONLY",
+    "DISABLED",
+    "NEVER",
+    "normalize_aliases",
+    "normalize_path",
+    "reject_deepspeed_only",
+]
+
+logger = logging.getLogger("zeroshard")
+
+_Z = "zero_optimization."
+
+ALIASES: dict[str, str] = {
+    "bfloat16": "bf16",
+    _Z + "gather_16bit_weights_on_model_save": _Z + "stage3_gather_16bit_weights_on_model_save",
+    _Z + "stage3_gather_fp16_weights_on_model_save": _Z + "stage3_gather_16bit_weights_on_model_save",
+    _Z + "max_live_parameters": _Z + "stage3_max_live_parameters",
+    _Z + "max_reuse_distance": _Z + "stage3_max_reuse_distance",
+    _Z + "prefetch_bucket_size": _Z + "stage3_prefetch_bucket_size",
+    _Z + "param_persistence_threshold": _Z + "stage3_param_persistence_threshold",
+    _Z + "model_persistence_threshold": _Z + "stage3_model_persistence_threshold",
+}
+"""Alternative key paths DeepSpeed accepts, mapped to the canonical key path used by zeroshard."""
+
+
+class _Marker:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+NEVER = _Marker("NEVER")
+"""The key is an error whatever its value."""
+DISABLED = _Marker("DISABLED")
+"""The key is accepted only as an empty/None block or a block with ``"enabled": false``."""
+ANY_VALUE = _Marker("ANY_VALUE")
+"""The key has no effect without another unsupported key; any value is accepted and dropped."""
+
+DEEPSPEED_ONLY: dict[str, Any] = {
+    # top-level features
+    "pipeline": NEVER,
+    "moe": NEVER,
+    "compression_training": NEVER,
+    "sparse_attention": NEVER,
+    "quantize_training": NEVER,
+    "amp": DISABLED,
+    "elasticity": DISABLED,
+    "nebula": DISABLED,
+    "eigenvalue": DISABLED,
+    "progressive_layer_drop": DISABLED,
+    "curriculum_learning": DISABLED,
+    "data_efficiency": DISABLED,
+    "autotuning": DISABLED,
+    "hybrid_engine": DISABLED,
+    "torch_autocast": DISABLED,
+    "datastates_ckpt": DISABLED,
+    "compile": DISABLED,
+    "tensor_parallel": DISABLED,
+    "expert_parallel": DISABLED,
+    "weight_quantization": NEVER,
+    "timers": NEVER,
+    "sparse_gradients": False,
+    "graph_harvesting": False,
+    "disable_allgather": False,
+    "gradient_allreduce_op": "mean",
+    "seq_parallel_communication_data_type": None,
+    "sequence_parallel_size": 1,
+    "use_data_before_expert_parallelism": False,
+    "managed_gradient_accumulation": True,
+    "disable_python_gc": False,
+    "dataloader_drop_last": False,
+    "log_level": None,
+    "vocabulary_size": ANY_VALUE,
+    # zero_optimization
+    _Z + "zero_quantized_weights": False,
+    _Z + "zero_quantized_nontrainable_weights": False,
+    _Z + "zero_quantized_gradients": False,
+    _Z + "zero_hpz_partition_size": 1,
+    _Z + "mics_shard_size": -1,
+    _Z + "mics_hierarchical_params_gather": False,
+    _Z + "zeropp_loco_param": None,
+    _Z + "zenflow": None,
+    _Z + "use_multi_rank_bucket_allreduce": True,
+    _Z + "compute_grad_norm": True,
+    _Z + "load_from_fp32_weights": True,
+    _Z + "legacy_stage1": False,
+    _Z + "parameter_alignment": False,
+    _Z + "memory_efficient_linear": True,
+    _Z + "pipeline_loading_checkpoint": False,
+    _Z + "override_module_apply": True,
+    _Z + "log_trace_cache_warnings": False,
+    _Z + "enable_sanity_checks": False,
+    _Z + "save_muon_momentum_buffer_in_memory": False,
+    _Z + "leaf_module": DISABLED,
+    _Z + "stage3_module_granularity_threshold": 0,
+    _Z + "stage3_use_all_reduce_for_fetch_params": False,
+    _Z + "stage3_allgather_sequential": False,
+    _Z + "cpu_offload": None,
+    _Z + "cpu_offload_param": None,
+    _Z + "cpu_offload_use_pin_memory": None,
+    _Z + "offload_optimizer.pipeline_read": False,
+    _Z + "offload_optimizer.pipeline_write": False,
+    _Z + "offload_optimizer.super_offload": False,
+    _Z + "offload_optimizer.cpuadam_cores_perc": ANY_VALUE,
+    # precision
+    "fp16.fp16_master_weights_and_grads": False,
+    "bf16.immediate_grad_update": False,
+    "bf16.check_grad_overflow": False,
+    "bf16.bf16_master_weights_and_grads": False,
+    "bf16.bf16_optimizer_states": False,
+    "data_types.param_dtype": None,
+    "data_types.buffer_dtype": None,
+    "data_types.keep_in_fp32_modules": "auto",
+    # checkpoint / optimizer
+    "checkpoint.parallel_write": DISABLED,
+    "checkpoint.checkpoint_serialization": True,
+    "checkpoint.writer": None,
+    "optimizer.legacy_fusion": False,
+}
+"""DeepSpeed key paths zeroshard does not implement, mapped to the value under which they are harmless."""
+
+
+def _is_off(value: Any, off: Any) -> bool:
+    if off is ANY_VALUE:
+        return True
+    if off is NEVER:
+        return False
+    if off is DISABLED:
+        return value is None or value == {} or (isinstance(value, dict) and value.get("enabled") is False)
+    if off is None or isinstance(off, bool):
+        return value is off or (off is None and value is False)
+    return bool(value == off)
+
+
+def _hint(off: Any) -> str:
+    if off is NEVER or off is ANY_VALUE:
+        return "remove it"
+    if off is DISABLED:
+        return 'remove it or set "enabled": false'
+    return f"remove it or set it to {json.dumps(off)}"
+
+
+def _parent(raw: dict[str, Any], parts: list[str]) -> dict[str, Any] | None:
+    node: Any = raw
+    for part in parts:
+        node = node.get(part) if isinstance(node, dict) else None
+    return node if isinstance(node, dict) else None
+
+
+def normalize_aliases(raw: dict[str, Any]) -> None:
+    """Rename alias keys of ``raw`` (in place) to their canonical names.
+
+    Raises:
+        ConfigError: an alias and its canonical key are both given.
+    """
+    for alias, canonical in ALIASES.items():
+        parts = alias.split(".")
+        parent = _parent(raw, parts[:-1])
+        if parent is None or parts[-1] not in parent:
+            continue
+        new_name = canonical.rsplit(".", 1)[-1]
+        if new_name in parent:
+            raise ConfigError(
+                f"'{alias}' and '{canonical}' are the same setting; give only one", key=canonical
+            )
+        parent[new_name] = parent.pop(parts[-1])
+
+
+def normalize_path(path: str) -> str:
+    """Return the canonical form of a dotted key path (aliases replaced)."""
+    for alias, canonical in ALIASES.items():
+        if path == alias or path.startswith(alias + "."):
+            return canonical + path[len(alias) :]
+    return path
+
+
+def reject_deepspeed_only(raw: dict[str, Any]) -> None:
+    """Raise for any active DeepSpeed-only feature in ``raw``; drop inactive ones (in place).
+
+    Raises:
+        ConfigError: naming the first DeepSpeed-only key whose value enables a feature zeroshard lacks.
+    """
+    for path, off in DEEPSPEED_ONLY.items():
+        parts = path.split(".")
+        parent = _parent(raw, parts[:-1])
+        if parent is None or parts[-1] not in parent:
+            continue
+        value = parent[parts[-1]]
+        if not _is_off(value, off):
+            raise ConfigError(
+                f"'{path}' is a DeepSpeed feature that zeroshard does not support ({_hint(off)})", key=path
+            )
+        logger.debug("config: dropping inactive DeepSpeed-only key %r = %r", path, value)
+        del parent[parts[-1]]

@@ -1,0 +1,133 @@
+"""The ``zero_optimization`` block and its offload sub-blocks.
+
+Key names and defaults follow DeepSpeed 0.19.x (``deepspeed/runtime/zero/config.py`` and
+``deepspeed/runtime/zero/offload_config.py``). The ``stage3_*`` keys use their DeepSpeed JSON names;
+DeepSpeed's short field names (``max_live_parameters``...) are accepted as aliases by the loader.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from zeroshard.config.fields import ConfigModel, Float, Int
+
+__all__ = ["OffloadDevice", "OffloadOptimizerConfig", "OffloadParamConfig", "ZeroConfig"]
+
+OffloadDevice = Literal["none", "cpu", "nvme"]
+
+
+class OffloadOptimizerConfig(ConfigModel):
+    """Offload of optimizer state (and the optimizer step) to CPU or NVMe."""
+
+    device: OffloadDevice = "none"
+    """Where optimizer state lives: ``none`` (accelerator), ``cpu`` or ``nvme``."""
+
+    nvme_path: Path | None = None
+    """Directory on the NVMe device used for optimizer-state swapping (required with ``device: nvme``)."""
+
+    pin_memory: bool = True
+    """Use page-locked CPU memory for offloaded state (DeepSpeed 0.19 default: True)."""
+
+    buffer_count: Int = Field(default=4, ge=0)
+    """Number of buffers in the NVMe swap buffer pool (at least the optimizer's per-parameter states)."""
+
+    fast_init: bool = False
+    """Fast optimizer initialization when offloading to NVMe."""
+
+    ratio: Float = Field(default=1.0, ge=0.0, le=1.0)
+    """Fraction of optimizer state to offload; values below 1.0 are only valid with ZeRO stage 3."""
+
+
+class OffloadParamConfig(ConfigModel):
+    """Offload of model parameters to CPU or NVMe (ZeRO stage 3 only)."""
+
+    device: OffloadDevice = "none"
+    """Where partitioned parameters live: ``none`` (accelerator), ``cpu`` or ``nvme``."""
+
+    nvme_path: Path | None = None
+    """Directory on the NVMe device used for parameter swapping (required with ``device: nvme``)."""
+
+    pin_memory: bool = True
+    """Use page-locked CPU memory for offloaded parameters (DeepSpeed 0.19 default: True)."""
+
+    buffer_count: Int = Field(default=5, ge=0)
+    """Number of buffers in the NVMe parameter swap buffer pool."""
+
+    buffer_size: Int = Field(default=100_000_000, ge=0)
+    """Size in elements of each NVMe parameter swap buffer."""
+
+    max_in_cpu: Int = Field(default=1_000_000_000, ge=0)
+    """Number of parameter elements kept in CPU memory when offloading to NVMe."""
+
+
+class ZeroConfig(ConfigModel):
+    """ZeRO partitioning: stage, communication buckets, overlap and stage-3 knobs."""
+
+    stage: Int = Field(default=0, ge=0, le=3)
+    """ZeRO stage: 0 disabled, 1 optimizer state, 2 + gradients, 3 + parameters partitioned."""
+
+    contiguous_gradients: bool = True
+    """Copy gradients into a contiguous buffer as they are produced (avoids fragmentation)."""
+
+    reduce_scatter: bool = True
+    """Average gradients with reduce/reduce-scatter instead of all-reduce."""
+
+    reduce_bucket_size: Int = Field(default=500_000_000, gt=0)
+    """Number of gradient elements reduced at a time."""
+
+    allgather_partitions: bool = True
+    """Gather updated parameters with all-gather (True) or a series of broadcasts (False)."""
+
+    allgather_bucket_size: Int = Field(default=500_000_000, gt=0)
+    """Number of parameter elements all-gathered at a time (must be > 0; DeepSpeed allows 0)."""
+
+    overlap_comm: bool | None = None
+    """Overlap gradient reduction with the backward pass. Unset (None) resolves to True for stage 3 and
+    False otherwise, as in DeepSpeed; after loading it is always a bool."""
+
+    round_robin_gradients: bool = False
+    """Stage 1/2 with CPU offload: parallelize gradient copies to CPU across ranks."""
+
+    offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
+    """Optimizer-state offload settings (DeepSpeed's default None is represented as ``device: none``)."""
+
+    offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
+    """Parameter offload settings, stage 3 only (DeepSpeed's None is represented as ``device: none``)."""
+
+    sub_group_size: Int = Field(default=1_000_000_000, ge=0)
+    """Number of parameter elements per optimizer-step tile (stage 3 offload / ZeRO-Infinity)."""
+
+    stage3_max_live_parameters: Int = Field(default=1_000_000_000, ge=0)
+    """Stage 3: maximum number of gathered parameter elements resident per rank before releasing."""
+
+    stage3_max_reuse_distance: Int = Field(default=1_000_000_000, ge=0)
+    """Stage 3: do not release a parameter that will be reused within this many parameter elements."""
+
+    stage3_prefetch_bucket_size: Int = Field(default=50_000_000, ge=0)
+    """Stage 3: maximum number of parameter elements prefetched ahead of use."""
+
+    stage3_param_persistence_threshold: Int = Field(default=100_000, ge=0)
+    """Stage 3: parameters with fewer elements than this stay unpartitioned."""
+
+    stage3_model_persistence_threshold: Int = Field(default=sys.maxsize, ge=0)
+    """Stage 3: cap on the total number of elements kept unpartitioned by the persistence threshold."""
+
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    """Stage 3: gather the 16-bit weights when saving the model (alias
+    ``gather_16bit_weights_on_model_save``)."""
+
+    elastic_checkpoint: bool = False
+    """Legacy elastic checkpointing of stage 1/2 optimizer state."""
+
+    ignore_unused_parameters: bool = True
+    """Tolerate parameters that receive no gradient in a step instead of raising an error."""
+
+    @model_validator(mode="after")
+    def _resolve_overlap_comm(self) -> ZeroConfig:
+        if self.overlap_comm is None:
+            self.overlap_comm = self.stage == 3
+        return self

@@ -1,0 +1,169 @@
+"""The training engine: forward, backward, step, with DeepSpeed's method names and semantics.
+
+The engine wires a config to a stage (``ZeroOptimizer``), a precision policy and a loss scaler,
+and counts micro-steps. It holds no sharding logic of its own: ``backward`` brackets autograd
+with the stage's gradient sync, and ``step`` calls the stage at accumulation boundaries.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zeroshard.comm import collectives as C
+from zeroshard.monitor.timers import WallClockTimers
+from zeroshard.precision import LossScaler, PrecisionPolicy
+from zeroshard.stages import ZeroOptimizer
+
+logger = logging.getLogger("zeroshard")
+
+
+class ZeroEngine(torch.nn.Module):
+    """Wraps a module for sharded, mixed-precision data-parallel training.
+
+    Built by :func:`zeroshard.initialize`; use ``engine(batch)``, ``engine.backward(loss)`` and
+    ``engine.step()`` exactly as with DeepSpeed's engine.
+    """
+
+    def __init__(self, module: torch.nn.Module, optimizer: ZeroOptimizer, config: Any,
+                 policy: PrecisionPolicy, lr_scheduler: Any, group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.module = module
+        self.optimizer = optimizer
+        self.config = config
+        self.policy = policy
+        self.lr_scheduler = lr_scheduler
+        self.group = group
+        self.device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        self.global_rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = C.world_size(group)
+        self.local_rank = int(__import__("os").environ.get("LOCAL_RANK", "0"))
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._window_loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._window_count = 0
+        self._last_print = time.perf_counter()
+        self.timers = WallClockTimers(enabled=bool(config.wall_clock_breakdown), device=self.device)
+
+    # -- DeepSpeed accessors ---------------------------------------------------------------------
+    @property
+    def scaler(self) -> LossScaler:
+        """The fp16 loss scaler (a constant 1.0 scaler otherwise)."""
+        return self.optimizer.scaler
+
+    @property
+    def loss_scale(self) -> float:
+        """Current loss scale (1.0 unless fp16)."""
+        return self.scaler.scale
+
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-steps per optimizer step."""
+        return int(self.config.gradient_accumulation_steps)
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per rank per micro-step."""
+        return int(self.config.train_micro_batch_size_per_gpu)
+
+    def train_batch_size(self) -> int:
+        """Samples per optimizer step over all ranks."""
+        return int(self.config.train_batch_size)
+
+    def zero_optimization_stage(self) -> int:
+        """The ZeRO stage in use."""
+        return int(self.optimizer.spec.stage)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the current micro-step ends an accumulation window (the next ``step`` updates)."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def get_lr(self) -> list[float]:
+        """Current learning rate of each param group."""
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """Global gradient norm (unscaled, before clipping) of the last applied step."""
+        return self.optimizer.global_grad_norm
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes this rank holds: ``parameters``, ``gradients``, ``master_weights``,
+        ``optimizer_states`` and their ``total``."""
+        params = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        out = {"parameters": params, **self.optimizer.memory_breakdown()}
+        out["total"] = sum(out.values())
+        return out
+
+    # -- training ----------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module, casting floating-point inputs to the compute dtype (``auto_cast``)."""
+        args = self.policy.cast_inputs(args)  # type: ignore[assignment]
+        kwargs = self.policy.cast_inputs(kwargs)  # type: ignore[assignment]
+        with self.timers("forward"):
+            return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backpropagate ``loss``: divided by the accumulation steps and multiplied by the fp16 scale.
+
+        Returns the loss as given (unscaled), which is also what the engine logs.
+        """
+        # Kept on the device: a .item() here would sync the accelerator every micro-step.
+        self._window_loss += loss.detach().float().sum()
+        self._window_count += 1
+        scaled = loss
+        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+            scaled = scaled / self.gradient_accumulation_steps()
+        if self.scaler.scale != 1.0:
+            scaled = scaled.float() * self.scaler.scale
+        with self.timers("backward"):
+            self.optimizer.start_backward(self.is_gradient_accumulation_boundary())
+            scaled.backward(retain_graph=retain_graph)
+            self.optimizer.finish_backward()
+        return loss
+
+    def step(self) -> None:
+        """At an accumulation boundary: reduce, unscale, clip, step the optimizer and scheduler.
+
+        Between boundaries it only counts the micro-step.
+        """
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        with self.timers("step"):
+            applied = self.optimizer.step()
+        if applied:
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        else:
+            self.skipped_steps += 1
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        self._report()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget accumulated gradients (the engine already does after every step)."""
+        self.optimizer.zero_grad()
+
+    def _report(self) -> None:
+        every = self.config.steps_per_print
+        if not every or self.global_steps % every:
+            return
+        loss = float(self._window_loss.item()) / max(self._window_count, 1)
+        if self.global_rank == 0:
+            elapsed = time.perf_counter() - self._last_print
+            norm = self.get_global_grad_norm()
+            logger.info(
+                "step=%d skipped=%d loss=%.4f lr=%s loss_scale=%g grad_norm=%s samples/s=%.1f%s",
+                self.global_steps, self.skipped_steps, loss, [f"{lr:.3g}" for lr in self.get_lr()],
+                self.loss_scale, f"{norm:.4g}" if norm is not None else "n/a",
+                every * self.train_batch_size() / max(elapsed, 1e-9), self.timers.summary(),
+            )
+        self.timers.reset()
+        self._last_print = time.perf_counter()
+        self._window_loss.zero_()
+        self._window_count = 0

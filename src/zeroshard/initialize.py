@@ -1,0 +1,192 @@
+"""``initialize``: DeepSpeed's entry point, returning ``(engine, optimizer, dataloader, lr_scheduler)``.
+
+It resolves the config, sets up the process group and device, synchronises the initial weights
+from rank 0, builds the stage over the trainable parameters (fp32 masters are taken *before*
+the module is cast to the compute dtype, so no precision is lost at start), then the optimizer,
+scheduler and data loader.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zeroshard.comm import collectives as C
+from zeroshard.comm.groups import init_distributed, local_rank
+from zeroshard.config import ZeroshardConfig, load_config
+from zeroshard.device import default_device
+from zeroshard.engine import ZeroEngine
+from zeroshard.errors import ConfigError, NotYetSupportedError
+from zeroshard.optim import build_optimizer, build_scheduler
+from zeroshard.precision import PrecisionPolicy, make_loss_scaler
+from zeroshard.stages import StageSpec, ZeroOptimizer
+
+logger = logging.getLogger("zeroshard")
+
+OptimizerArg = torch.optim.Optimizer | Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None
+
+
+def initialize(
+    args: Any = None,
+    model: torch.nn.Module | None = None,
+    optimizer: OptimizerArg = None,
+    model_parameters: Iterable[Any] | None = None,
+    training_data: torch.utils.data.Dataset | None = None,
+    lr_scheduler: Any = None,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Callable[..., Any] | None = None,
+    config: Any = None,
+    config_params: Any = None,
+    auto_values: dict[str, Any] | None = None,
+    **deepspeed_only: Any,
+) -> tuple[ZeroEngine, ZeroOptimizer, torch.utils.data.DataLoader | None, Any]:
+    """Wrap ``model`` for ZeRO training, as ``deepspeed.initialize`` does.
+
+    Args:
+        args: an argparse namespace; its ``deepspeed_config`` is used when ``config`` is absent.
+        model: the module to train (fp32 parameters).
+        optimizer: a torch optimizer built over the model's parameters, or a callable taking
+            param groups and returning one; mutually exclusive with the config's ``optimizer``.
+        model_parameters: the parameters (or param-group dicts) to train; default: every
+            parameter of ``model`` that requires grad.
+        training_data: a dataset; a ``DataLoader`` with a ``DistributedSampler`` and the
+            configured micro batch is returned for it.
+        lr_scheduler: a scheduler instance over ``optimizer``, or a callable taking the optimizer.
+        mpu: model-parallel unit; not supported (a clear error).
+        dist_init_required: accepted for compatibility; the process group is created when absent.
+        collate_fn: collate function for the returned data loader.
+        config: a path, dict, JSON string or :class:`ZeroshardConfig` in DeepSpeed's schema.
+        config_params: DeepSpeed's older name for ``config``.
+        auto_values: values for ``"auto"`` entries, keyed by dotted path
+            (``{"optimizer.params.lr": 3e-4}``).
+        **deepspeed_only: other DeepSpeed arguments (``distributed_port``, ...), accepted and unused.
+
+    Returns:
+        ``(engine, optimizer, dataloader, lr_scheduler)``.
+    """
+    if model is None:
+        raise ConfigError("initialize() needs model=...")
+    if mpu is not None:
+        raise NotYetSupportedError("model parallelism (mpu=...) is not supported", key="mpu")
+    config = config if config is not None else config_params
+    if config is None:
+        config = getattr(args, "deepspeed_config", None)
+    if config is None:
+        raise ConfigError("initialize() needs config=... (a path, dict or JSON string in DeepSpeed's schema)")
+    init_distributed()
+    group = None  # the default (world) group: the one the user created, or ours
+    cfg = load_config(config, world_size=C.world_size(group), auto_values=auto_values)
+    device = default_device(local_rank())
+    model.to(device)
+    _sync_module_states(model, group)
+
+    param_groups = _param_groups(model, optimizer, model_parameters)
+    policy = PrecisionPolicy(
+        param_dtype=cfg.compute_dtype,
+        grad_accum_dtype=cfg.grad_accum_dtype,
+        reduce_dtype=cfg.reduce_dtype,
+        auto_cast=cfg.fp16.auto_cast if cfg.fp16.enabled else cfg.bf16.auto_cast,
+    )
+    z = cfg.zero_optimization
+    spec = StageSpec(
+        stage=cfg.zero_stage,
+        reduce_bucket_size=int(z.reduce_bucket_size),
+        allgather_bucket_size=int(z.allgather_bucket_size),
+        overlap_comm=bool(z.overlap_comm),
+        gradient_clipping=float(cfg.gradient_clipping),
+    )
+    zero_opt = ZeroOptimizer(param_groups, spec, policy, make_loss_scaler(cfg.fp16), group, device)
+    if policy.param_dtype != torch.float32:
+        model.to(policy.param_dtype)
+    _bind_optimizer(zero_opt, optimizer, cfg)
+    scheduler = _scheduler(lr_scheduler, zero_opt, cfg)
+    loader = _dataloader(training_data, cfg, collate_fn, group)
+    engine = ZeroEngine(model, zero_opt, cfg, policy, scheduler, group)
+    logger.info("zeroshard: ZeRO stage %d, %s, world size %d, %d trainable parameters",
+                spec.stage, policy.param_dtype, engine.world_size, sum(p.numel() for p in zero_opt.master.views))
+    return engine, zero_opt, loader, scheduler
+
+
+def _sync_module_states(model: torch.nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Check every rank built the same module, then broadcast rank 0's parameters and buffers."""
+    entries = [f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in model.state_dict(keep_vars=True).items()]
+    C.check_same_across_ranks(entries, group, "module parameters and buffers")
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            C.broadcast(t.data, src=0, group=group)
+
+
+def _param_groups(model: torch.nn.Module, optimizer: OptimizerArg,
+                  model_parameters: Iterable[Any] | None) -> list[dict[str, Any]]:
+    """Normalise the trainable parameters into torch-style param groups over the module's params."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        groups = [dict(g) for g in optimizer.param_groups]
+    elif model_parameters is not None:
+        items = list(model_parameters)
+        if items and isinstance(items[0], dict):
+            groups = [dict(g) for g in items]
+        else:
+            groups = [{"params": items}]
+    else:
+        groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    owned = {id(p): name for name, p in model.named_parameters()}
+    seen: set[int] = set()
+    for g in groups:
+        params = [p for p in g["params"] if p.requires_grad]
+        for p in params:
+            if id(p) not in owned:
+                raise ConfigError("a parameter passed to initialize() does not belong to the model",
+                                  key="model_parameters")
+            if id(p) in seen:
+                raise ConfigError(f"parameter '{owned[id(p)]}' appears in more than one param group",
+                                  key="model_parameters")
+            seen.add(id(p))
+        g["params"] = params
+    if not seen:
+        raise ConfigError("no trainable parameters (none requires grad)", key="model_parameters")
+    return [g for g in groups if g["params"]]
+
+
+def _bind_optimizer(zero_opt: ZeroOptimizer, optimizer: OptimizerArg, cfg: ZeroshardConfig) -> None:
+    if optimizer is not None and cfg.optimizer is not None:
+        raise ConfigError("an optimizer is given both in the config and to initialize(optimizer=...); "
+                          "keep one", key="optimizer")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        zero_opt.adopt(optimizer)
+    elif callable(optimizer):
+        zero_opt.bind(optimizer)
+    elif cfg.optimizer is not None:
+        opt_cfg = cfg.optimizer
+        zero_opt.bind(lambda groups: build_optimizer(opt_cfg.type, dict(opt_cfg.params), groups))
+    else:
+        raise ConfigError("no optimizer: add an 'optimizer' block to the config or pass "
+                          "initialize(optimizer=...)", key="optimizer")
+
+
+def _scheduler(lr_scheduler: Any, zero_opt: ZeroOptimizer, cfg: ZeroshardConfig) -> Any:
+    if lr_scheduler is not None and cfg.scheduler is not None:
+        raise ConfigError("a scheduler is given both in the config and to initialize(lr_scheduler=...); "
+                          "keep one", key="scheduler")
+    inner = zero_opt.optimizer
+    if lr_scheduler is not None:
+        return lr_scheduler(inner) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") else lr_scheduler
+    if cfg.scheduler is not None:
+        return build_scheduler(cfg.scheduler.type, dict(cfg.scheduler.params), inner)
+    return None
+
+
+def _dataloader(data: Any, cfg: ZeroshardConfig, collate_fn: Callable[..., Any] | None,
+                group: dist.ProcessGroup | None) -> torch.utils.data.DataLoader | None:
+    if data is None:
+        return None
+    sampler: torch.utils.data.DistributedSampler = torch.utils.data.DistributedSampler(
+        data, num_replicas=C.world_size(group), rank=C.rank(group), shuffle=True
+    )
+    return torch.utils.data.DataLoader(
+        data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler, collate_fn=collate_fn
+    )

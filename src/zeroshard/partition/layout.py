@@ -1,0 +1,134 @@
+"""Pure shard arithmetic: how a flattened parameter is split into equal, padded chunks.
+
+Every parameter is flattened and cut into ``world`` chunks of ``ceil(numel / world)`` elements;
+chunk ``r`` belongs to rank ``r``. The last ranks' chunks may be partly or wholly padding, which is
+never dropped and never stored in a checkpoint (each rank's *real* elements are
+``local_range(rank)``). Parameters that communicate together form a :class:`Bucket`; inside a
+bucket the flat buffer is laid out ``[world, bucket.numel]`` so that row ``r`` is rank ``r``'s
+chunks of every parameter in the bucket, back to back. That layout makes one
+``reduce_scatter_tensor`` / ``all_gather_into_tensor`` move a whole bucket.
+
+No torch collectives here and no state: this module is the geometry the stages, checkpoints and
+the memory estimator all share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Geometry of one flattened tensor split over ``world`` ranks."""
+
+    numel: int
+    world: int
+
+    @property
+    def shard_numel(self) -> int:
+        """Padded chunk size: every rank's chunk has this many slots."""
+        return -(-self.numel // self.world)
+
+    def local_range(self, rank: int) -> tuple[int, int]:
+        """Half-open range of real (unpadded) elements of the flat tensor owned by ``rank``."""
+        start = min(rank * self.shard_numel, self.numel)
+        end = min(start + self.shard_numel, self.numel)
+        return start, end
+
+    def local_numel(self, rank: int) -> int:
+        """Number of real elements owned by ``rank`` (0 for a rank holding only padding)."""
+        start, end = self.local_range(rank)
+        return end - start
+
+
+@dataclass
+class Bucket:
+    """Parameters that are reduced (and gathered) by one collective.
+
+    Attributes:
+        index: position in launch order; every rank launches buckets in this order.
+        params: the parameters, in layout order.
+        layouts: one :class:`ShardLayout` per parameter.
+        offsets: column of each parameter's chunk inside a row of the bucket.
+        numel: row length (sum of the parameters' padded chunk sizes).
+        start: offset of this bucket's row inside the rank-local flat shard buffer.
+    """
+
+    index: int
+    params: list[torch.nn.Parameter]
+    layouts: list[ShardLayout]
+    offsets: list[int]
+    numel: int
+    start: int = 0
+    ready: set[int] = field(default_factory=set)
+
+    @property
+    def full_numel(self) -> int:
+        """Elements of the full (all ranks) bucket buffer."""
+        return self.numel * (self.layouts[0].world if self.layouts else 1)
+
+
+def make_buckets(params: Sequence[torch.nn.Parameter], world: int, max_numel: int) -> list[Bucket]:
+    """Group parameters into buckets of at most ``max_numel`` full elements (at least one param each).
+
+    Parameters are taken in the order given; callers pass them in expected gradient-ready order.
+    """
+    buckets: list[Bucket] = []
+    current: list[torch.nn.Parameter] = []
+    current_numel = 0
+    for p in params:
+        if current and current_numel + p.numel() > max_numel:
+            buckets.append(_bucket(len(buckets), current, world))
+            current, current_numel = [], 0
+        current.append(p)
+        current_numel += p.numel()
+    if current:
+        buckets.append(_bucket(len(buckets), current, world))
+    start = 0
+    for b in buckets:
+        b.start = start
+        start += b.numel
+    return buckets
+
+
+def _bucket(index: int, params: list[torch.nn.Parameter], world: int) -> Bucket:
+    layouts = [ShardLayout(p.numel(), world) for p in params]
+    offsets, col = [], 0
+    for layout in layouts:
+        offsets.append(col)
+        col += layout.shard_numel
+    return Bucket(index=index, params=list(params), layouts=layouts, offsets=offsets, numel=col)
+
+
+def scatter_into_rows(rows: torch.Tensor, flat: torch.Tensor, accumulate: bool = False) -> None:
+    """Write (or add) a flat tensor into its ``[world, shard_numel]`` column block, row-major.
+
+    ``rows`` is a (possibly strided) ``[world, k]`` view; ``flat`` has ``numel <= world * k``.
+    Padding slots are left untouched, so a zeroed buffer keeps zero padding.
+    """
+    k = rows.shape[1]
+    n = flat.numel()
+    if k == 0:
+        return
+    full, rem = divmod(n, k)
+    op = torch.Tensor.add_ if accumulate else torch.Tensor.copy_
+    if full:
+        op(rows[:full], flat[: full * k].view(full, k))
+    if rem:
+        op(rows[full, :rem], flat[full * k :])
+
+
+def gather_from_rows(rows: torch.Tensor, flat: torch.Tensor) -> None:
+    """Inverse of :func:`scatter_into_rows`: read the real elements of a column block into ``flat``."""
+    k = rows.shape[1]
+    n = flat.numel()
+    if k == 0:
+        return
+    full, rem = divmod(n, k)
+    if full:
+        flat[: full * k].view(full, k).copy_(rows[:full])
+    if rem:
+        flat[full * k :].copy_(rows[full, :rem])

@@ -1,0 +1,5 @@
+"""ZeRO stages: compositions of a master shard, gradient sync and a torch optimizer."""
+
+from zeroshard.stages.zero_optimizer import StageSpec, ZeroOptimizer
+
+__all__ = ["StageSpec", "ZeroOptimizer"]

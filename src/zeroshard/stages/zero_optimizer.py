@@ -1,0 +1,194 @@
+"""ZeRO stages 0–2 as one composition: master shard + gradient sync + any torch optimizer.
+
+Design note
+-----------
+- stage 0: every rank owns whole parameters (shard layout of world 1); gradients are
+  all-reduced; the optimizer steps every element on every rank.
+- stage 1: the fp32 master weights and the optimizer state are sharded; full gradients are
+  accumulated locally and reduce-scattered once per accumulation window.
+- stage 2: stage 1, with gradients reduce-scattered every micro-step from backward hooks, so only
+  this rank's gradient shard persists.
+After the optimizer step, stages 1–2 all-gather the updated shards into the module's (compute
+dtype) parameters in ``allgather_bucket_size`` buckets; stage 0 copies its masters in place.
+
+The step: unscale (fp16), global norm (all-reduced over shards; a non-finite norm means overflow
+on *some* rank, so every rank skips together), clip, optimizer step, publish parameters.
+Memory residency per rank (Ψ parameters, N ranks, 16-bit compute, Adam): module params 2Ψ;
+gradients ``a·Ψ`` (stages 0–1) or ``a·Ψ/N`` (stage 2) with ``a`` the accumulation dtype's bytes;
+master 4Ψ/N and Adam state 8Ψ/N (stages 1–2), or 4Ψ and 8Ψ at stage 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zeroshard.comm import collectives as C
+from zeroshard.partition import make_buckets
+from zeroshard.precision import LossScaler, PrecisionPolicy
+from zeroshard.stages.grad_sync import (
+    AllReduceSync,
+    BoundaryReduceScatterSync,
+    GradSync,
+    MicroStepReduceScatterSync,
+)
+from zeroshard.stages.master import MasterShard
+
+logger = logging.getLogger("zeroshard")
+
+_SYNC_FOR_STAGE: dict[int, type[GradSync]] = {
+    0: AllReduceSync,
+    1: BoundaryReduceScatterSync,
+    2: MicroStepReduceScatterSync,
+}
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What the engine's config asks of the stage (from ``zero_optimization`` and the top level)."""
+
+    stage: int = 0
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool = True
+    gradient_clipping: float = 0.0
+
+
+class ZeroOptimizer:
+    """The optimizer ``initialize`` returns for stages 0–2.
+
+    It owns the fp32 master shard, the gradient synchronisation and a torch optimizer that steps
+    on the shard. ``param_groups`` is the torch optimizer's, so LR schedulers and user code that
+    reads or writes ``optimizer.param_groups[i]["lr"]`` work unchanged.
+    """
+
+    def __init__(self, param_groups: list[dict[str, Any]], spec: StageSpec, policy: PrecisionPolicy,
+                 scaler: LossScaler, group: dist.ProcessGroup | None, device: torch.device) -> None:
+        self.spec = spec
+        self.policy = policy
+        self.scaler = scaler
+        self.group = group
+        self.rank = C.rank(group)
+        self.world = C.world_size(group)
+        self.sharded = spec.stage >= 1 and self.world > 1
+        params = [p for g in param_groups for p in g["params"]]
+        for p in params:
+            if not p.is_contiguous():
+                p.data = p.data.contiguous()
+        layout_world = self.world if spec.stage >= 1 else 1
+        # Reverse registration order approximates the order in which backward produces gradients.
+        self.buckets = make_buckets(list(reversed(params)), layout_world, spec.reduce_bucket_size)
+        self.master = MasterShard(self.buckets, self.rank if layout_world > 1 else 0, device)
+        self.sync = _SYNC_FOR_STAGE[spec.stage](self.buckets, group, policy, device, spec.overlap_comm)
+        self._group_options = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
+        self._group_params = [list(g["params"]) for g in param_groups]
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.global_grad_norm: float | None = None
+        self.overflow = False
+
+    # -- optimizer wiring ---------------------------------------------------------------------
+    def master_param_groups(self) -> list[dict[str, Any]]:
+        """Param groups over the fp32 master views, with the caller's per-group options."""
+        return [
+            {"params": [self.master.views[p] for p in ps], **opts}
+            for ps, opts in zip(self._group_params, self._group_options)
+        ]
+
+    def bind(self, make_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer]) -> None:
+        """Create the torch optimizer over the master views."""
+        self.optimizer = make_optimizer(self.master_param_groups())
+
+    def adopt(self, client: torch.optim.Optimizer) -> None:
+        """Re-point a client optimizer, built over the module's parameters, at the master views."""
+        if client.state:
+            raise ValueError("the client optimizer already has state; pass it to initialize() before stepping")
+        for g in client.param_groups:
+            g["params"] = [self.master.views[p] for p in g["params"]]
+        self.optimizer = client
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The torch optimizer's param groups (over the master shard)."""
+        return self._inner.param_groups
+
+    @property
+    def state(self) -> Any:
+        """The torch optimizer's per-parameter state (of this rank's shard)."""
+        return self._inner.state
+
+    @property
+    def _inner(self) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            raise RuntimeError("ZeroOptimizer used before an optimizer was bound")
+        return self.optimizer
+
+    # -- training -------------------------------------------------------------------------------
+    def start_backward(self, boundary: bool) -> None:
+        """Before ``loss.backward()``."""
+        self.sync.start_backward(boundary)
+
+    def finish_backward(self) -> None:
+        """After ``loss.backward()``: complete this micro-step's gradient communication."""
+        self.sync.finish_backward()
+
+    def step(self) -> bool:
+        """Unscale, check overflow, clip and step. Returns whether the update was applied."""
+        grads = self.sync.shard_grads()
+        g32 = grads if grads.dtype == torch.float32 else grads.float()
+        if self.scaler.scale != 1.0:
+            g32.mul_(1.0 / self.scaler.scale)
+        norm = self._global_norm(g32)
+        self.overflow = not math.isfinite(norm)
+        self.scaler.update(self.overflow)
+        if self.overflow:
+            self.sync.zero()
+            return False
+        self.global_grad_norm = norm
+        clip = self.spec.gradient_clipping
+        if clip > 0:
+            coef = clip / (norm + 1e-6)
+            if coef < 1.0:
+                g32.mul_(coef)
+        self.master.attach_grads(g32)
+        self._inner.step()
+        self.master.detach_grads()
+        self.sync.zero()
+        self._publish()
+        return True
+
+    def _global_norm(self, g32: torch.Tensor) -> float:
+        sq = torch.linalg.vector_norm(g32, dtype=torch.float32).square().reshape(1)
+        if self.sharded:
+            C.all_reduce(sq, self.group, async_op=False)
+        return float(sq.sqrt().item())
+
+    def _publish(self) -> None:
+        with torch.no_grad():
+            if self.sharded:
+                self.master.all_gather_to_params(self.group, self.spec.allgather_bucket_size,
+                                                 self.policy.param_dtype)
+            else:
+                self.master.copy_to_params()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop accumulated gradients (DeepSpeed compatibility; the engine zeroes after each step)."""
+        self.sync.zero()
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes this rank holds for gradients, master weights and optimizer state."""
+        opt_bytes = 0
+        for st in self._inner.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor):
+                    opt_bytes += v.numel() * v.element_size()
+        return {
+            "gradients": self.sync.bytes_held(),
+            "master_weights": self.master.bytes_held(),
+            "optimizer_states": opt_bytes,
+        }

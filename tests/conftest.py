@@ -1,0 +1,6 @@
+"""Shared pytest set-up: make ``tests/`` importable (the harness and model helpers live here)."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -1,0 +1,72 @@
+"""Bytes held per rank follow the ZeRO formulas (Adam, 16-bit compute, Ψ parameters, N ranks).
+
+With gradients accumulated in the compute dtype (``data_types.grad_accum_dtype: bf16``) the
+classic formulas hold: stage 1 holds 2Ψ + 2Ψ + 12Ψ/N bytes, stage 2 holds 2Ψ + 14Ψ/N. With the
+default fp32 accumulation the gradient term doubles (4Ψ at stage 1, 4Ψ/N at stage 2). Padding
+adds at most N − 1 elements per parameter tensor, and fused Adam keeps a 4-byte step counter per
+tensor: those are the only allowed differences.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import run_distributed
+from torch import nn
+
+import zeroshard
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(301, 257), nn.GELU(), nn.Linear(257, 129), nn.Linear(129, 3))
+
+
+def memory_worker(rank: int, world: int) -> dict[str, dict[str, int]]:
+    out = {}
+    for stage in (0, 1, 2):
+        for accum in ("bf16", "fp32"):
+            model = _model()
+            cfg = {
+                "train_micro_batch_size_per_gpu": 2,
+                "bf16": {"enabled": True},
+                "data_types": {"grad_accum_dtype": accum},
+                "zero_optimization": {"stage": stage},
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            }
+            engine, _, _, _ = zeroshard.initialize(model=model, config=cfg)
+            loss = engine(torch.randn(2, 301)).float().pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            out[f"{stage}/{accum}"] = engine.memory_breakdown()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_memory_follows_zero_formulas(world: int) -> None:
+    results = run_distributed(memory_worker, world)
+    shapes = [p.numel() for p in _model().parameters()]
+    psi, n, tensors = sum(shapes), world, len(shapes)
+    for key, mem in results[0].items():
+        stage, accum = int(key.split("/")[0]), key.split("/")[1]
+        a = 2 if accum == "bf16" else 4
+        shard = 1 if stage == 0 else n
+        expected = {
+            "parameters": 2 * psi,
+            "gradients": a * psi / (n if stage == 2 else 1),
+            "master_weights": 4 * psi / shard,
+            "optimizer_states": 8 * psi / shard,
+        }
+        slack = {
+            "parameters": 0,
+            "gradients": a * n * tensors,
+            "master_weights": 4 * tensors,
+            "optimizer_states": 8 * tensors + 4 * tensors,  # padding of rank 0's chunks + step counters
+        }
+        for k, want in expected.items():
+            assert want - 1 <= mem[k] <= want + slack[k] + 1, f"stage {stage} {accum} {k}: {mem[k]} vs {want}"
+        total = sum(expected.values())
+        assert abs(mem["total"] - total) / total < 0.01, (key, mem, total)
+    # Sharding really shrinks what each rank holds.
+    r = results[0]
+    assert r["2/bf16"]["total"] < r["1/bf16"]["total"] < r["0/bf16"]["total"]

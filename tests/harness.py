@@ -1,0 +1,53 @@
+"""A small multi-process test harness: spawned ranks, ``file://`` rendezvous, hard deadline.
+
+``run_distributed(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` in ``world_size``
+spawned processes that share a gloo process group, and returns each rank's return value (tensors,
+numbers, strings and plain containers; they travel through ``torch.save``/``torch.load(weights_only)``).
+A rank that raises fails the test with its traceback; ranks still alive at the deadline are
+killed and the test fails naming them. ``fn`` must be a module-level function.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, fn: Callable[..., Any], world_size: int, workdir: str, args: tuple[Any, ...]) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world_size
+    )
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, Path(workdir) / f"result_{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the per-rank results."""
+    with tempfile.TemporaryDirectory(prefix="zeroshard-test-") as workdir:
+        ctx = mp.start_processes(
+            _entry, args=(fn, world_size, workdir, args), nprocs=world_size, join=False, start_method="spawn"
+        )
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                hung = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise TimeoutError(f"{fn.__name__}: ranks {hung} still running after {timeout:.0f}s; killed")
+        return [
+            torch.load(Path(workdir) / f"result_{r}.pt", weights_only=True) for r in range(world_size)
+        ]
