@@ -1,0 +1,232 @@
+"""The public API as a DeepSpeed user drives it: tutorial loop, client optimizers, accessors, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import zeroshard
+from harness import run_distributed
+from models import make_data, make_model
+
+SHARED_CONFIGS = Path(__file__).resolve().parents[3] / "shared" / "configs"
+
+
+class Classifier(torch.nn.Module):
+    """The shape of DeepSpeed's CIFAR tutorial model: float inputs in, logits out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(12, 33), torch.nn.ReLU(), torch.nn.Linear(33, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def tutorial_worker(rank: int, world: int) -> dict:
+    """DeepSpeed's tutorial loop with a bf16 config, unchanged but for the import."""
+    import zeroshard as deepspeed
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 12)
+    labels = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
+    trainset = torch.utils.data.TensorDataset(x, labels)
+    net = Classifier()
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "Adam", "params": {"lr": 3e-2}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_max_lr": 3e-2}},
+    }
+    model_engine, optimizer, trainloader, _ = deepspeed.initialize(
+        model=net, model_parameters=net.parameters(), training_data=trainset, config=cfg
+    )
+    criterion = torch.nn.CrossEntropyLoss()
+    losses, seen = [], []
+    for _epoch in range(6):
+        trainloader.sampler.set_epoch(_epoch)
+        for inputs, target in trainloader:
+            assert inputs.shape[0] == 4
+            seen.append(inputs[:, 0].clone())
+            outputs = model_engine(inputs.to(model_engine.device))  # fp32 inputs, bf16 model
+            loss = criterion(outputs.float(), target.to(model_engine.device))
+            model_engine.backward(loss)
+            model_engine.step()
+            losses.append(loss.item())
+    return {
+        "first": sum(losses[:8]) / 8,
+        "last": sum(losses[-8:]) / 8,
+        "epoch0_inputs": torch.cat(seen[: 64 // (4 * world)]),
+        "lr": optimizer.param_groups[0]["lr"],
+        "dtype": str(next(model_engine.module.parameters()).dtype),
+    }
+
+
+def test_deepspeed_tutorial_loop_bf16() -> None:
+    results = run_distributed(tutorial_worker, 2)
+    for r in results:
+        assert r["dtype"] == "torch.bfloat16"
+        assert r["last"] < 0.7 * r["first"], r
+        assert r["lr"] == pytest.approx(3e-2)
+    # The DistributedSampler gives each rank a disjoint half of the data in an epoch.
+    a, b = results[0]["epoch0_inputs"], results[1]["epoch0_inputs"]
+    assert a.numel() == b.numel() == 32
+    assert not set(a.tolist()) & set(b.tolist())
+
+
+def accessors_worker(rank: int, world: int) -> dict:
+    model = make_model(0)
+    client_opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    cfg = {"train_batch_size": 8, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
+           "zero_optimization": {"stage": 1}}
+    engine, opt, loader, sched = zeroshard.initialize(
+        model=model, optimizer=client_opt, lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5),
+        config=cfg,
+    )
+    x, y = make_data(1, 8)
+    boundaries = []
+    for m in range(2):
+        xb, yb = x[0, m * 4 + rank * 2 : m * 4 + rank * 2 + 2], y[0, m * 4 + rank * 2 : m * 4 + rank * 2 + 2]
+        boundaries.append(engine.is_gradient_accumulation_boundary())
+        engine.backward(engine(xb, yb))
+        engine.step()
+    return {
+        "boundaries": torch.tensor(boundaries),
+        "steps": engine.global_steps,
+        "micro": engine.train_micro_batch_size_per_gpu(),
+        "gas": engine.gradient_accumulation_steps(),
+        "world": engine.world_size,
+        "rank": engine.global_rank,
+        "lr": engine.get_lr()[0],
+        "norm": engine.get_global_grad_norm(),
+        "same_optimizer": opt.optimizer is client_opt,
+        "loader_is_none": loader is None,
+        "scale": engine.loss_scale,
+        "momentum_state": sum(s["momentum_buffer"].numel() for s in client_opt.state.values()),
+        "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+    }
+
+
+def test_client_optimizer_scheduler_and_accessors() -> None:
+    results = run_distributed(accessors_worker, 2)
+    # Reference: plain torch SGD with momentum on the global batch, clipped at 0.5.
+    model = make_model(0)
+    x, y = make_data(1, 8)
+    model(x[0], y[0]).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item()
+    torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9).step()
+    psi = sum(p.numel() for p in model.parameters())
+    for r in results:
+        assert r["boundaries"].tolist() == [False, True]
+        assert (r["steps"], r["micro"], r["gas"], r["world"], r["scale"]) == (1, 2, 2, 2, 1.0)
+        assert r["lr"] == pytest.approx(0.05)  # the client StepLR stepped once
+        assert r["norm"] == pytest.approx(ref_norm, rel=1e-5)
+        assert r["same_optimizer"] and r["loader_is_none"]
+        # Stage 1: each rank keeps momentum for about half of the parameters.
+        assert psi / 2 - 8 <= r["momentum_state"] <= psi / 2 + 8
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(r["params"][n], p.detach(), rtol=1e-5, atol=1e-6)
+    assert sorted(r["rank"] for r in results) == [0, 1]
+
+
+def errors_worker(rank: int, world: int) -> list[tuple[str, str | None, str]]:
+    cases = {
+        "batch": {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8},
+        "unknown": {"train_batch_size": 8, "zero_optimisation": {"stage": 1}},
+        "type": {"train_batch_size": 8, "zero_optimization": {"stage": "two"}},
+        "stage3": {"train_batch_size": 8, "zero_optimization": {"stage": 3}},
+        "feature": {"train_batch_size": 8, "pipeline": {"stages": 2}},
+        "no_optimizer": {"train_batch_size": 8},
+        "both_optimizers": {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1}}},
+        "auto": {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}},
+    }
+    out = []
+    for name, cfg in cases.items():
+        model = make_model(0)
+        client = torch.optim.SGD(model.parameters(), lr=0.1) if name == "both_optimizers" else None
+        try:
+            zeroshard.initialize(model=model, optimizer=client, config=cfg)
+        except zeroshard.ConfigError as e:
+            out.append((name, e.key, f"{type(e).__name__}: {e}"))
+        else:
+            out.append((name, "no error", ""))
+    return out
+
+
+def test_config_errors_name_the_key() -> None:
+    errors = {name: (key, msg) for name, key, msg in run_distributed(errors_worker, 2)[0]}
+    assert "32 != " in errors["batch"][1] and "2 ranks" in errors["batch"][1]
+    assert "zero_optimisation" in errors["unknown"][1] and "zero_optimization" in errors["unknown"][1]
+    assert errors["type"][0] == "zero_optimization.stage"
+    assert errors["stage3"][0] == "zero_optimization.stage" and "NotYetSupportedError" in errors["stage3"][1]
+    assert "pipeline" in errors["feature"][1]
+    assert errors["no_optimizer"][0] == "optimizer"
+    assert errors["both_optimizers"][0] == "optimizer"
+    assert errors["auto"][0] == "optimizer.params.lr" or "optimizer.params.lr" in errors["auto"][1]
+
+
+def shared_configs_worker(rank: int, world: int, names: list[str]) -> dict[str, str]:
+    out = {}
+    for name in names:
+        path = SHARED_CONFIGS / name
+        raw = json.loads(path.read_text())
+        model = make_model(0)
+        # Configs without an optimizer block expect the client to pass one (zero3_tuned.json says so).
+        client = None if "optimizer" in raw else (lambda groups: torch.optim.AdamW(groups, lr=1e-3))
+        autos = {k: v for k, v in (("lr", 1e-3), ("weight_decay", 0.0))
+                 if raw.get("optimizer", {}).get("params", {}).get(k) == "auto"}
+        try:
+            engine, _, _, _ = zeroshard.initialize(
+                model=model, config=str(path), optimizer=client,
+                auto_values={f"optimizer.params.{k}": v for k, v in autos.items()},
+            )
+        except zeroshard.NotYetSupportedError as e:
+            out[name] = f"not yet supported: {e.key}"
+            continue
+        x, y = make_data(3, engine.train_batch_size())
+        micro = engine.train_micro_batch_size_per_gpu()
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        for step in range(3):
+            for m in range(engine.gradient_accumulation_steps()):
+                a = (m * world + rank) * micro
+                engine.backward(engine(x[step, a : a + micro], y[step, a : a + micro]))
+                engine.step()
+        moved = any(not torch.equal(b, p) for b, p in zip(before, engine.module.parameters()))
+        out[name] = f"trained {engine.global_steps} steps, moved={moved}, dtype={next(model.parameters()).dtype}"
+    return out
+
+
+@pytest.mark.skipif(not SHARED_CONFIGS.is_dir(), reason="../shared/configs is not beside the checkout")
+def test_shared_configs_train_or_say_not_yet() -> None:
+    names = sorted(p.name for p in SHARED_CONFIGS.glob("*.json"))
+    out = run_distributed(shared_configs_worker, 2, names)[0]
+    print(out)
+    assert out["zero2_fp16_adamw.json"] == "trained 3 steps, moved=True, dtype=torch.float16"
+    assert out["zero2_bf16_warmupdecay.json"] == "trained 3 steps, moved=True, dtype=torch.bfloat16"
+    assert out["zero3_tuned.json"] == "not yet supported: zero_optimization.stage"
+    assert out["zero3_offload_cpu.json"] == "not yet supported: zero_optimization.stage"
+    assert out["zero_infinity_nvme.json"] == "not yet supported: zero_optimization.stage"
+
+
+def test_plain_python_is_a_world_of_one(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch, zeroshard\n"
+        "model = torch.nn.Linear(3, 2)\n"
+        "cfg = {'train_batch_size': 2, 'optimizer': {'type': 'SGD', 'params': {'lr': 0.1}}}\n"
+        "engine, *_ = zeroshard.initialize(model=model, config=cfg)\n"
+        "engine.backward(engine(torch.randn(2, 3)).sum()); engine.step()\n"
+        "print('world', engine.world_size, 'steps', engine.global_steps)\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                                            "MASTER_PORT", "LOCAL_RANK")}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "world 1 steps 1" in done.stdout
