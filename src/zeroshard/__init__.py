@@ -24,10 +24,14 @@ if TYPE_CHECKING:
     from zeroshard.engine import ZeroEngine
     from zeroshard.initialize import initialize
 
-_LAZY = {
+_LAZY: dict[str, tuple[str, str | None]] = {
     "initialize": ("zeroshard.initialize", "initialize"),
     "init_distributed": ("zeroshard.comm.groups", "init_distributed"),
     "ZeroEngine": ("zeroshard.engine", "ZeroEngine"),
+    "get_fp32_state_dict_from_zero_checkpoint": (
+        "zeroshard.checkpoint.consolidate", "get_fp32_state_dict_from_zero_checkpoint"),
+    "load_state_dict_from_zero_checkpoint": ("zeroshard.checkpoint.consolidate", "load_state_dict_from_zero_checkpoint"),
+    "zero": ("zeroshard.zero", None),
 }
 
 __all__ = [
@@ -40,6 +44,7 @@ __all__ = [
     "__version__",
     "init_distributed",
     "initialize",
+    "zero",
 ]
 
 
@@ -48,7 +53,8 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         module, attr = _LAZY[name]
-        value = getattr(importlib.import_module(module), attr)
+        imported = importlib.import_module(module)
+        value = imported if attr is None else getattr(imported, attr)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'zeroshard' has no attribute {name!r}")

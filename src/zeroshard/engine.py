@@ -98,11 +98,26 @@ class ZeroEngine(torch.nn.Module):
         out["total"] = sum(out.values())
         return out
 
+    def gathered(self, enabled: bool = True) -> Any:
+        """Keep every parameter gathered for the block (ZeRO-3; a no-op otherwise).
+
+        For loops of many small forwards (``generate``): without it each forward gathers each
+        unit again. It costs the full model's parameters in the compute dtype on every rank for
+        the duration of the block; modifications made inside are discarded (use
+        ``zeroshard.zero.GatheredParameters(..., modifier_rank=r)`` to keep them).
+        """
+        from zeroshard.zero import GatheredParameters
+
+        return GatheredParameters(list(self.module.parameters()), enabled=enabled)
+
     # -- training ----------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module, casting floating-point inputs to the compute dtype (``auto_cast``)."""
         args = self.policy.cast_inputs(args)  # type: ignore[assignment]
         kwargs = self.policy.cast_inputs(kwargs)  # type: ignore[assignment]
+        coordinator = getattr(self.optimizer, "coordinator", None)
+        if coordinator is not None:
+            coordinator.start_pass()
         with self.timers("forward"):
             return self.module(*args, **kwargs)
 
@@ -167,3 +182,47 @@ class ZeroEngine(torch.nn.Module):
         self._last_print = time.perf_counter()
         self._window_loss.zero_()
         self._window_count = 0
+
+    # -- checkpoints (implemented in zeroshard.checkpoint) -----------------------------------------
+    @property
+    def training_dataloader(self) -> Any:
+        """The data loader ``initialize(training_data=...)`` built for this engine (or one assigned
+        here); checkpoints save and restore its position."""
+        if "_training_dataloader" in self.__dict__:
+            return self.__dict__["_training_dataloader"]
+        from zeroshard.checkpoint.dataloader import linked_loader
+
+        return linked_loader(self.config)
+
+    @training_dataloader.setter
+    def training_dataloader(self, loader: Any) -> None:
+        self.__dict__["_training_dataloader"] = loader
+
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict[str, Any] | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """Save a sharded, crash-safe checkpoint to ``save_dir/<tag>`` (DeepSpeed's semantics).
+
+        Collective: call on every rank. ``tag`` defaults to ``global_step<N>``; ``client_state``
+        (plain data and tensors) comes back from :meth:`load_checkpoint`; ``latest`` names the tag
+        when ``save_latest``. See :mod:`zeroshard.checkpoint`.
+        """
+        from zeroshard.checkpoint.save import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str | None, Any]:
+        """Load a zeroshard or DeepSpeed checkpoint saved at any world size and stage.
+
+        Collective. ``tag`` defaults to the one named by ``load_dir/latest``. Returns
+        ``(checkpoint path, client_state)``, or ``(None, None)`` without a ``latest`` file.
+        """
+        if custom_load_fn is not None:
+            from zeroshard.errors import NotYetSupportedError
+
+            raise NotYetSupportedError("load_checkpoint(custom_load_fn=...) is not supported", key="custom_load_fn")
+        from zeroshard.checkpoint.load import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                               load_lr_scheduler_states, load_module_only)

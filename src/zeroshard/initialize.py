@@ -23,7 +23,7 @@ from zeroshard.engine import ZeroEngine
 from zeroshard.errors import ConfigError, NotYetSupportedError
 from zeroshard.optim import build_optimizer, build_scheduler
 from zeroshard.precision import PrecisionPolicy, make_loss_scaler
-from zeroshard.stages import StageSpec, ZeroOptimizer
+from zeroshard.stages import Stage3Optimizer, StageSpec, ZeroOptimizer
 
 logger = logging.getLogger("zeroshard")
 
@@ -99,8 +99,16 @@ def initialize(
         allgather_bucket_size=int(z.allgather_bucket_size),
         overlap_comm=bool(z.overlap_comm),
         gradient_clipping=float(cfg.gradient_clipping),
+        max_live_parameters=int(z.stage3_max_live_parameters),
+        prefetch_bucket_size=int(z.stage3_prefetch_bucket_size),
+        param_persistence_threshold=int(z.stage3_param_persistence_threshold),
     )
-    zero_opt = ZeroOptimizer(param_groups, spec, policy, make_loss_scaler(cfg.fp16), group, device)
+    scaler = make_loss_scaler(cfg.fp16)
+    zero_opt = (
+        Stage3Optimizer(model, param_groups, spec, policy, scaler, group, device)
+        if spec.stage == 3
+        else ZeroOptimizer(param_groups, spec, policy, scaler, group, device)
+    )
     if policy.param_dtype != torch.float32:
         model.to(policy.param_dtype)
     _bind_optimizer(zero_opt, optimizer, cfg)
@@ -184,9 +192,11 @@ def _dataloader(data: Any, cfg: ZeroshardConfig, collate_fn: Callable[..., Any] 
                 group: dist.ProcessGroup | None) -> torch.utils.data.DataLoader | None:
     if data is None:
         return None
-    sampler: torch.utils.data.DistributedSampler = torch.utils.data.DistributedSampler(
-        data, num_replicas=C.world_size(group), rank=C.rank(group), shuffle=True
-    )
-    return torch.utils.data.DataLoader(
-        data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler, collate_fn=collate_fn
-    )
+    # Resumable: same batches as DistributedSampler, and a position that checkpoints save/restore.
+    from zeroshard.checkpoint.dataloader import ResumableDataLoader, ResumableDistributedSampler, link_loader
+
+    sampler = ResumableDistributedSampler(data, num_replicas=C.world_size(group), rank=C.rank(group), shuffle=True)
+    loader = ResumableDataLoader(data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler,
+                                 collate_fn=collate_fn)
+    link_loader(cfg, loader)
+    return loader

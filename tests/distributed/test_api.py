@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import zeroshard
 from harness import run_distributed
 from models import make_data, make_model
+
+import zeroshard
 
 SHARED_CONFIGS = Path(__file__).resolve().parents[3] / "shared" / "configs"
 
@@ -141,7 +141,7 @@ def errors_worker(rank: int, world: int) -> list[tuple[str, str | None, str]]:
         "batch": {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8},
         "unknown": {"train_batch_size": 8, "zero_optimisation": {"stage": 1}},
         "type": {"train_batch_size": 8, "zero_optimization": {"stage": "two"}},
-        "stage3": {"train_batch_size": 8, "zero_optimization": {"stage": 3}},
+        "offload": {"train_batch_size": 8, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
         "feature": {"train_batch_size": 8, "pipeline": {"stages": 2}},
         "no_optimizer": {"train_batch_size": 8},
         "both_optimizers": {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1}}},
@@ -165,7 +165,8 @@ def test_config_errors_name_the_key() -> None:
     assert "32 != " in errors["batch"][1] and "2 ranks" in errors["batch"][1]
     assert "zero_optimisation" in errors["unknown"][1] and "zero_optimization" in errors["unknown"][1]
     assert errors["type"][0] == "zero_optimization.stage"
-    assert errors["stage3"][0] == "zero_optimization.stage" and "NotYetSupportedError" in errors["stage3"][1]
+    assert errors["offload"][0] == "zero_optimization.offload_param.device"
+    assert "NotYetSupportedError" in errors["offload"][1]
     assert "pipeline" in errors["feature"][1]
     assert errors["no_optimizer"][0] == "optimizer"
     assert errors["both_optimizers"][0] == "optimizer"
@@ -192,13 +193,15 @@ def shared_configs_worker(rank: int, world: int, names: list[str]) -> dict[str, 
             continue
         x, y = make_data(3, engine.train_batch_size())
         micro = engine.train_micro_batch_size_per_gpu()
-        before = [p.detach().clone() for p in engine.module.parameters()]
+        with engine.gathered():
+            before = [p.detach().clone() for p in engine.module.parameters()]
         for step in range(3):
             for m in range(engine.gradient_accumulation_steps()):
                 a = (m * world + rank) * micro
                 engine.backward(engine(x[step, a : a + micro], y[step, a : a + micro]))
                 engine.step()
-        moved = any(not torch.equal(b, p) for b, p in zip(before, engine.module.parameters()))
+        with engine.gathered():
+            moved = any(not torch.equal(b, p) for b, p in zip(before, engine.module.parameters()))
         out[name] = f"trained {engine.global_steps} steps, moved={moved}, dtype={next(model.parameters()).dtype}"
     return out
 
@@ -210,9 +213,9 @@ def test_shared_configs_train_or_say_not_yet() -> None:
     print(out)
     assert out["zero2_fp16_adamw.json"] == "trained 3 steps, moved=True, dtype=torch.float16"
     assert out["zero2_bf16_warmupdecay.json"] == "trained 3 steps, moved=True, dtype=torch.bfloat16"
-    assert out["zero3_tuned.json"] == "not yet supported: zero_optimization.stage"
-    assert out["zero3_offload_cpu.json"] == "not yet supported: zero_optimization.stage"
-    assert out["zero_infinity_nvme.json"] == "not yet supported: zero_optimization.stage"
+    assert out["zero3_tuned.json"] == "trained 3 steps, moved=True, dtype=torch.float16"
+    assert out["zero3_offload_cpu.json"] == "not yet supported: zero_optimization.offload_optimizer.device"
+    assert out["zero_infinity_nvme.json"] == "not yet supported: zero_optimization.offload_optimizer.device"
 
 
 def test_plain_python_is_a_world_of_one(tmp_path: Path) -> None:

@@ -49,7 +49,6 @@ def _not_default(block: ActivationCheckpointingConfig) -> bool:
 
 # fmt: off
 NOT_YET_SUPPORTED: list[NotYetSupported] = [
-    NotYetSupported("zero_optimization.stage", lambda stage: stage == 3, "ZeRO stage 3", "stage 3"),
     NotYetSupported("zero_optimization.offload_optimizer.device", _offloaded, "optimizer offload", "offload"),
     NotYetSupported("zero_optimization.offload_param.device", _offloaded, "parameter offload", "offload"),
     NotYetSupported("activation_checkpointing", _not_default, "activation checkpointing", "activation ckpt"),

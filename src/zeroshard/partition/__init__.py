@@ -1,5 +1,19 @@
 """Shard geometry shared by the stages, checkpoints and estimator."""
 
-from zeroshard.partition.layout import Bucket, ShardLayout, gather_from_rows, make_buckets, scatter_into_rows
+from zeroshard.partition.layout import (
+    Bucket,
+    ShardLayout,
+    buckets_from_groups,
+    gather_from_rows,
+    make_buckets,
+    scatter_into_rows,
+)
 
-__all__ = ["Bucket", "ShardLayout", "gather_from_rows", "make_buckets", "scatter_into_rows"]
+__all__ = [
+    "Bucket",
+    "ShardLayout",
+    "buckets_from_groups",
+    "gather_from_rows",
+    "make_buckets",
+    "scatter_into_rows",
+]

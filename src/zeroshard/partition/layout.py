@@ -76,17 +76,23 @@ def make_buckets(params: Sequence[torch.nn.Parameter], world: int, max_numel: in
 
     Parameters are taken in the order given; callers pass them in expected gradient-ready order.
     """
-    buckets: list[Bucket] = []
+    groups: list[list[torch.nn.Parameter]] = []
     current: list[torch.nn.Parameter] = []
     current_numel = 0
     for p in params:
         if current and current_numel + p.numel() > max_numel:
-            buckets.append(_bucket(len(buckets), current, world))
+            groups.append(current)
             current, current_numel = [], 0
         current.append(p)
         current_numel += p.numel()
     if current:
-        buckets.append(_bucket(len(buckets), current, world))
+        groups.append(current)
+    return buckets_from_groups(groups, world)
+
+
+def buckets_from_groups(groups: Sequence[Sequence[torch.nn.Parameter]], world: int) -> list[Bucket]:
+    """One bucket per group of parameters, laid out one after another in the rank-local flat buffer."""
+    buckets = [_bucket(i, list(g), world) for i, g in enumerate(groups)]
     start = 0
     for b in buckets:
         b.start = start

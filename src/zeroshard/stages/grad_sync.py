@@ -43,6 +43,11 @@ class GradSync:
 
     def __init__(self, buckets: list[Bucket], group: dist.ProcessGroup | None, policy: PrecisionPolicy,
                  device: torch.device, overlap_comm: bool) -> None:
+        #: Launch strictly in bucket order (stages 0-2). ZeRO-3 launches each unit as it completes:
+        #: its all-gathers already require every rank to run modules in the same order.
+        self.ordered = True
+        #: Called with a bucket once all its gradients have been written (ZeRO-3 releases the unit).
+        self.on_complete: Callable[[Bucket], None] | None = None
         self.buckets = buckets
         self.group = group
         self.world = C.world_size(group)
@@ -56,6 +61,7 @@ class GradSync:
         }
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._pending: list[_Pending] = []
+        self._launched: set[int] = set()
         self._next_launch = 0
         self.boundary = True
         for p in self._where:
@@ -66,6 +72,7 @@ class GradSync:
         """Called before ``loss.backward()``: whether this micro-step ends the accumulation window."""
         self.boundary = boundary
         self._next_launch = 0
+        self._launched.clear()
         for b in self.buckets:
             b.ready.clear()
 
@@ -77,14 +84,21 @@ class GradSync:
         self._write(bucket, i, grad.detach().reshape(-1))
         p.grad = None
         bucket.ready.add(i)
-        if self.overlap_comm and self._launches_now():
+        complete = len(bucket.ready) == len(bucket.params)
+        if complete and self.on_complete is not None:
+            self.on_complete(bucket)
+        if not (self.overlap_comm and self._launches_now()):
+            return
+        if self.ordered:
             self._launch_ready()
+        elif complete:
+            self._launch_bucket(bucket)
 
     def finish_backward(self) -> None:
         """Called after ``loss.backward()``: launch what is left, in order, and wait for all of it."""
         if self._launches_now():
-            while self._next_launch < len(self.buckets):
-                self._launch_next()
+            for b in self.buckets:
+                self._launch_bucket(b)
         for _bucket, work, finalize in self._pending:
             if work is not None:
                 work.wait()
@@ -96,11 +110,13 @@ class GradSync:
             b = self.buckets[self._next_launch]
             if len(b.ready) < len(b.params):
                 return
-            self._launch_next()
+            self._launch_bucket(b)
+            self._next_launch += 1
 
-    def _launch_next(self) -> None:
-        b = self.buckets[self._next_launch]
-        self._next_launch += 1
+    def _launch_bucket(self, b: Bucket) -> None:
+        if b.index in self._launched:
+            return
+        self._launched.add(b.index)
         work, finalize = self._launch(b)
         self._pending.append((b, work, finalize))
 

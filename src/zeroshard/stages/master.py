@@ -26,6 +26,8 @@ class MasterShard:
         self.numel = sum(b.numel for b in buckets)
         self.flat = torch.zeros(self.numel, dtype=torch.float32, device=device)
         self.views: dict[torch.nn.Parameter, torch.nn.Parameter] = {}
+        #: each parameter's real element range ``[s, e)`` held by this rank
+        self.ranges: dict[torch.nn.Parameter, tuple[int, int]] = {}
         self.slices: list[tuple[torch.nn.Parameter, int, int]] = []
         for b in buckets:
             for p, layout, off in zip(b.params, b.layouts, b.offsets):
@@ -36,6 +38,7 @@ class MasterShard:
                 view.copy_(p.detach().reshape(-1)[s:e])
                 master = torch.nn.Parameter(view)
                 self.views[p] = master
+                self.ranges[p] = (s, e)
                 self.slices.append((master, a, e - s))
 
     def attach_grads(self, flat_grad: torch.Tensor) -> None:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm import collectives as C
-from zeroshard.partition import make_buckets
+from zeroshard.partition import Bucket, make_buckets
 from zeroshard.precision import LossScaler, PrecisionPolicy
 from zeroshard.stages.grad_sync import (
     AllReduceSync,
@@ -58,6 +58,12 @@ class StageSpec:
     allgather_bucket_size: int = 500_000_000
     overlap_comm: bool = True
     gradient_clipping: float = 0.0
+    #: ZeRO-3 only: parameters kept gathered at most (beyond it, least recently used units go).
+    max_live_parameters: int = 1_000_000_000
+    #: ZeRO-3 only: elements of upcoming units gathered ahead of use (0 turns prefetching off).
+    prefetch_bucket_size: int = 50_000_000
+    #: ZeRO-3 only: units with at most this many elements stay gathered all the time.
+    param_persistence_threshold: int = 100_000
 
 
 class ZeroOptimizer:
@@ -81,16 +87,22 @@ class ZeroOptimizer:
         for p in params:
             if not p.is_contiguous():
                 p.data = p.data.contiguous()
-        layout_world = self.world if spec.stage >= 1 else 1
-        # Reverse registration order approximates the order in which backward produces gradients.
-        self.buckets = make_buckets(list(reversed(params)), layout_world, spec.reduce_bucket_size)
+        self.buckets = self._make_buckets(params)
+        layout_world = self.buckets[0].layouts[0].world if self.buckets else 1
         self.master = MasterShard(self.buckets, self.rank if layout_world > 1 else 0, device)
-        self.sync = _SYNC_FOR_STAGE[spec.stage](self.buckets, group, policy, device, spec.overlap_comm)
+        self.sync = _SYNC_FOR_STAGE[min(spec.stage, 2)](self.buckets, group, policy, device, spec.overlap_comm)
+        for p in params:
+            p._zeroshard_owner = self  # type: ignore[attr-defined]  # found by GatheredParameters
         self._group_options = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
         self._group_params = [list(g["params"]) for g in param_groups]
         self.optimizer: torch.optim.Optimizer | None = None
         self.global_grad_norm: float | None = None
         self.overflow = False
+
+    def _make_buckets(self, params: list[torch.nn.Parameter]) -> list[Bucket]:
+        layout_world = self.world if self.spec.stage >= 1 else 1
+        # Reverse registration order approximates the order in which backward produces gradients.
+        return make_buckets(list(reversed(params)), layout_world, self.spec.reduce_bucket_size)
 
     # -- optimizer wiring ---------------------------------------------------------------------
     def master_param_groups(self) -> list[dict[str, Any]]:
@@ -175,6 +187,16 @@ class ZeroOptimizer:
                                                  self.policy.param_dtype)
             else:
                 self.master.copy_to_params()
+
+    def write_back(self, p: torch.nn.Parameter) -> None:
+        """Make the module's (full) value of ``p`` the new master value of this rank's chunk."""
+        s, e = self.master.ranges[p]
+        with torch.no_grad():
+            self.master.views[p].copy_(p.detach().reshape(-1)[s:e])
+
+    def gather_context(self, params: list[torch.nn.Parameter]) -> tuple[Callable[[], None], Callable[[], None]]:
+        """``(enter, exit)`` callables making ``params`` readable; stages 0–2 hold them whole already."""
+        return (lambda: None), (lambda: None)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (DeepSpeed compatibility; the engine zeroes after each step)."""

@@ -1,0 +1,101 @@
+"""One ZeRO-3 unit: parameters gathered and released together by one collective.
+
+A unit is a :class:`~zeroshard.partition.Bucket` (usually one module's direct parameters) whose
+compute-dtype shard lives in a slice of the flat parameter-shard buffer. Its states:
+
+- ``SHARDED``: the rank's chunk in the shard buffer is the only copy of the unit's values; every
+  parameter's ``.data`` is an empty placeholder (0 elements).
+- ``GATHERING``: an all-gather into a transient buffer is in flight (a prefetch).
+- ``GATHERED``: every parameter's ``.data`` is a full, contiguous tensor of its own. Changes made
+  to it are *not* written back (see ``GatheredParameters(modifier_rank=...)`` for that).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.distributed as dist
+
+from zeroshard.comm import collectives as C
+from zeroshard.partition import Bucket, gather_from_rows
+
+
+class UnitState(enum.Enum):
+    """Where a unit's parameter values live right now."""
+
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+class ParamUnit:
+    """Parameters of one unit, with their shard and the gather/release transitions."""
+
+    def __init__(self, bucket: Bucket, shard: torch.Tensor, group: dist.ProcessGroup | None,
+                 persistent: bool, name: str) -> None:
+        self.bucket = bucket
+        self.shard = shard  # [bucket.numel] compute-dtype view into the flat shard buffer
+        self.group = group
+        self.world = C.world_size(group)
+        self.persistent = persistent
+        self.name = name
+        self.state = UnitState.SHARDED
+        self.shapes = [p.shape for p in bucket.params]
+        self._pending: tuple[torch.Tensor, dist.Work | None] | None = None
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        """The unit's parameters, in layout order."""
+        return self.bucket.params
+
+    @property
+    def numel(self) -> int:
+        """Elements of the unit's gathered parameters."""
+        return sum(p_layout.numel for p_layout in self.bucket.layouts)
+
+    def launch_gather(self) -> None:
+        """Start the all-gather (no-op unless ``SHARDED``)."""
+        if self.state is not UnitState.SHARDED:
+            return
+        out = torch.empty(self.world * self.bucket.numel, dtype=self.shard.dtype, device=self.shard.device)
+        work = C.all_gather(out, self.shard, self.group)
+        self._pending = (out, work)
+        self.state = UnitState.GATHERING
+
+    def wait_gather(self) -> None:
+        """Finish a gather: full parameter tensors in place of the placeholders."""
+        if self.state is UnitState.SHARDED:
+            self.launch_gather()
+        if self.state is not UnitState.GATHERING:
+            return
+        assert self._pending is not None
+        out, work = self._pending
+        self._pending = None
+        if work is not None:
+            work.wait()
+        rows = out.view(self.world, self.bucket.numel)
+        for p, shape, layout, off in zip(self.params, self.shapes, self.bucket.layouts, self.bucket.offsets):
+            full = torch.empty(shape, dtype=self.shard.dtype, device=self.shard.device)
+            gather_from_rows(rows[:, off : off + layout.shard_numel], full.view(-1))
+            p.data = full
+        self.state = UnitState.GATHERED
+
+    def release(self) -> None:
+        """Drop the gathered tensors; the shard remains the only copy."""
+        if self.state is UnitState.GATHERING:
+            self.wait_gather()
+        if self.state is UnitState.GATHERED:
+            for p in self.params:
+                p.data = torch.empty(0, dtype=self.shard.dtype, device=self.shard.device)
+            self.state = UnitState.SHARDED
+
+    def write_back(self, rank: int, master_views: list[torch.Tensor] | None) -> None:
+        """Copy the gathered values' local chunk into the shard (and fp32 masters, if given)."""
+        assert self.state is UnitState.GATHERED
+        for i, (p, layout, off) in enumerate(zip(self.params, self.bucket.layouts, self.bucket.offsets)):
+            s, e = layout.local_range(rank)
+            values = p.data.reshape(-1)[s:e]
+            self.shard[off : off + (e - s)].copy_(values)
+            if master_views is not None:
+                master_views[i].data.copy_(values)

@@ -1,0 +1,77 @@
+"""``GatheredParameters``: full parameters for the duration of a block, with optional write-back.
+
+Under ZeRO-3 the parameters' units are gathered and pinned on entry and released on exit. With
+``modifier_rank=r``, rank ``r``'s values at exit are broadcast to every rank and written into the
+fp32 master and parameter shards, so the change survives the next step. Under stages 0–2 the
+parameters are whole already; ``modifier_rank`` still broadcasts and updates the masters (which
+otherwise would overwrite the change at the next step). Parameters zeroshard does not manage are
+left alone, as in DeepSpeed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class GatheredParameters:
+    """Context manager making ``params`` whole for the block (DeepSpeed's signature).
+
+    Args:
+        params: a parameter or an iterable of parameters.
+        modifier_rank: rank whose modifications are kept and broadcast on exit; ``None`` discards
+            modifications (they are made to temporary gathered copies under ZeRO-3).
+        fwd_module: accepted for DeepSpeed compatibility (external-parameter registration is not
+            needed here: units stay gathered while they are read).
+        enabled: ``False`` makes the block a no-op.
+    """
+
+    def __init__(self, params: torch.nn.Parameter | Iterable[torch.nn.Parameter], modifier_rank: int | None = None,
+                 fwd_module: torch.nn.Module | None = None, enabled: bool = True) -> None:
+        self.params: list[torch.nn.Parameter] = [params] if isinstance(params, torch.nn.Parameter) else list(params)
+        self.modifier_rank = modifier_rank
+        self.enabled = enabled
+        self._exits: list[Callable[[], None]] = []
+
+    def _owned(self) -> dict[Any, list[torch.nn.Parameter]]:
+        owners: dict[Any, list[torch.nn.Parameter]] = {}
+        for p in self.params:
+            owner = getattr(p, "_zeroshard_owner", None)
+            if owner is not None:
+                owners.setdefault(owner, []).append(p)
+        return owners
+
+    def __enter__(self) -> GatheredParameters:
+        if not self.enabled:
+            return self
+        for owner, params in self._owned().items():
+            enter, exit_ = owner.gather_context(params)
+            enter()
+            self._exits.append(exit_)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if not self.enabled:
+            return
+        try:
+            if self.modifier_rank is not None and exc_type is None:
+                self._broadcast_and_write_back()
+        finally:
+            for exit_ in self._exits:
+                exit_()
+            self._exits.clear()
+
+    def _broadcast_and_write_back(self) -> None:
+        owners = self._owned()
+        with torch.no_grad():
+            for p in self.params:
+                if dist.is_initialized() and dist.get_world_size() > 1:
+                    dist.broadcast(p.data, src=self.modifier_rank)  # type: ignore[arg-type]
+            for owner, params in owners.items():
+                for p in params:
+                    owner.write_back(p)
