@@ -1,18 +1,26 @@
 """Shard geometry shared by the stages, checkpoints and estimator."""
 
 from zeroshard.partition.layout import (
+    INIT_CHUNK_ATTR,
+    SHAPE_ATTR,
     Bucket,
     ShardLayout,
     buckets_from_groups,
+    full_numel,
+    full_shape,
     gather_from_rows,
     make_buckets,
     scatter_into_rows,
 )
 
 __all__ = [
+    "INIT_CHUNK_ATTR",
+    "SHAPE_ATTR",
     "Bucket",
     "ShardLayout",
     "buckets_from_groups",
+    "full_numel",
+    "full_shape",
     "gather_from_rows",
     "make_buckets",
     "scatter_into_rows",

@@ -19,6 +19,22 @@ from dataclasses import dataclass, field
 
 import torch
 
+#: Attribute holding a parameter's real shape while its ``.data`` is an empty placeholder
+#: (ZeRO-3 at rest, or built under ``zero.Init``).
+SHAPE_ATTR = "_zeroshard_shape"
+#: Attribute holding this rank's chunk of a parameter built under ``zero.Init`` until adopted.
+INIT_CHUNK_ATTR = "_zeroshard_init_chunk"
+
+
+def full_shape(p: torch.Tensor) -> torch.Size:
+    """A parameter's real shape, also while its data is a placeholder."""
+    return torch.Size(getattr(p, SHAPE_ATTR, p.shape))
+
+
+def full_numel(p: torch.Tensor) -> int:
+    """A parameter's real element count, also while its data is a placeholder."""
+    return int(full_shape(p).numel())
+
 
 @dataclass(frozen=True)
 class ShardLayout:
@@ -80,11 +96,11 @@ def make_buckets(params: Sequence[torch.nn.Parameter], world: int, max_numel: in
     current: list[torch.nn.Parameter] = []
     current_numel = 0
     for p in params:
-        if current and current_numel + p.numel() > max_numel:
+        if current and current_numel + full_numel(p) > max_numel:
             groups.append(current)
             current, current_numel = [], 0
         current.append(p)
-        current_numel += p.numel()
+        current_numel += full_numel(p)
     if current:
         groups.append(current)
     return buckets_from_groups(groups, world)
@@ -101,7 +117,7 @@ def buckets_from_groups(groups: Sequence[Sequence[torch.nn.Parameter]], world: i
 
 
 def _bucket(index: int, params: list[torch.nn.Parameter], world: int) -> Bucket:
-    layouts = [ShardLayout(p.numel(), world) for p in params]
+    layouts = [ShardLayout(full_numel(p), world) for p in params]
     offsets, col = [], 0
     for layout in layouts:
         offsets.append(col)

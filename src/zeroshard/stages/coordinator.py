@@ -10,9 +10,13 @@ released then.
 
 After forward, units are *not* released at once: they stay gathered while the gathered total is
 under ``stage3_max_live_parameters`` and are evicted least-recently-used beyond it. Units in use
-(the modules running now, and units gathered for backward) are never evicted. So a small model
+(the modules running now, and units gathered for backward) are never evicted, nor is the most
+recently used one. So a small model
 stays gathered across forward and backward (no re-gather), parameters used outside their module
 (a tied head in the loss) remain readable, and a large model is bounded by the budget.
+
+Gathered parameters at any moment are therefore bounded by ``stage3_max_live_parameters`` plus
+the units in use plus ``stage3_prefetch_bucket_size``, never by the model size.
 
 Prefetch: every request is appended to a trace. The first pass records it; later passes follow it
 and launch the all-gathers of the next units (up to ``stage3_prefetch_bucket_size`` elements ahead)
@@ -23,6 +27,7 @@ never an error, only the on-demand path until the order is known again.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
@@ -70,9 +75,27 @@ class ParamCoordinator:
         self.trace_valid = False
         self.peak_gathered_numel = 0
         self._handles: list[Any] = []
+        self.gather_count = 0
+        self.prefetch_count = 0
+        self.last_used: ParamUnit | None = None
         for m in self.module_units:
             self._handles.append(m.register_forward_pre_hook(self._pre_forward))
             self._handles.append(m.register_forward_hook(self._post_forward))
+            self._handles.append(m.register_state_dict_pre_hook(self._pre_state_dict))
+            # torch tags the hook object itself, which a bound method does not allow.
+            self._handles.append(m.register_state_dict_post_hook(functools.partial(self._post_state_dict)))
+
+    # -- state dicts: full tensors, one module's units at a time --------------------------------
+    def _pre_state_dict(self, module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
+        self.fetch(self.module_units[module], record=False)
+
+    def _post_state_dict(self, module: torch.nn.Module, state_dict: dict[str, Any], prefix: str,
+                         local_metadata: Any) -> None:
+        for name, p in module.named_parameters(recurse=False):
+            if prefix + name in state_dict:
+                # keep_vars=True would hand out the Parameter, empty again once released.
+                state_dict[prefix + name] = p.detach()
+        self.unpin(self.module_units[module])
 
     # -- hooks -------------------------------------------------------------------------------
     def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
@@ -109,7 +132,10 @@ class ParamCoordinator:
                 self.pinned[u] = self.pinned.get(u, 0) + 1
                 self.live[u] = None
                 self.live.move_to_end(u)
+            if u.state is UnitState.SHARDED:
+                self.gather_count += 1
             u.wait_gather()
+            self.last_used = u
         self._note_peak()
         self._evict()
         self._prefetch()
@@ -133,11 +159,12 @@ class ParamCoordinator:
             return
         budget = self.prefetch_numel
         for u in self.trace[self.cursor :]:
-            if u.numel > budget or self._gathered_numel() + u.numel > self.max_live_numel:
+            if u.numel > budget:
                 break
             budget -= u.numel
             if u.state is UnitState.SHARDED:
                 u.launch_gather()
+                self.prefetch_count += 1
                 self.live[u] = None
 
     def _gathered_numel(self) -> int:
@@ -148,10 +175,12 @@ class ParamCoordinator:
 
     def _evict(self) -> None:
         over = self._gathered_numel() - self.max_live_numel
+        # The most recently used unit always stays: after forward that is the last module (an LM
+        # head), whose weight losses and tied layers read outside any module's forward.
         for u in list(self.live):
             if over <= 0:
                 break
-            if u in self.pinned or u.state is UnitState.GATHERING:
+            if u in self.pinned or u is self.last_used or u.state is UnitState.GATHERING:
                 continue
             over -= u.numel
             self.release(u)

@@ -59,6 +59,8 @@ class GradSync:
         self._where: dict[torch.nn.Parameter, tuple[Bucket, int]] = {
             p: (b, i) for b in buckets for i, p in enumerate(b.params)
         }
+        self._index = {p: k for k, p in enumerate(self._where)}
+        self._seen: set[int] = set()  # parameters that received a gradient in this window
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._pending: list[_Pending] = []
         self._launched: set[int] = set()
@@ -83,6 +85,7 @@ class GradSync:
             return
         self._write(bucket, i, grad.detach().reshape(-1))
         p.grad = None
+        self._seen.add(self._index[p])  # type: ignore[index]
         bucket.ready.add(i)
         complete = len(bucket.ready) == len(bucket.params)
         if complete and self.on_complete is not None:
@@ -120,6 +123,19 @@ class GradSync:
         work, finalize = self._launch(b)
         self._pending.append((b, work, finalize))
 
+    def unused_params(self) -> list[torch.nn.Parameter]:
+        """Parameters that no rank produced a gradient for in this accumulation window.
+
+        Plain PyTorch leaves their ``.grad`` as ``None`` and optimizers skip them (no momentum
+        step); zero gradients would not be the same training. One small all-reduce per step.
+        """
+        used = torch.zeros(len(self._index), dtype=torch.uint8, device=self.device)
+        if self._seen:
+            used[sorted(self._seen)] = 1
+        C.all_reduce(used, self.group, async_op=False, op=dist.ReduceOp.MAX)
+        params = list(self._index)
+        return [params[k] for k in torch.nonzero(used == 0).flatten().tolist()]
+
     def remove_hooks(self) -> None:
         """Detach from the parameters (the engine is being torn down)."""
         for h in self._handles:
@@ -143,7 +159,7 @@ class GradSync:
 
     def zero(self) -> None:
         """Forget accumulated gradients (after a step, or a skipped one)."""
-        raise NotImplementedError
+        self._seen.clear()
 
     def bytes_held(self) -> int:
         """Bytes of gradient state that persist between steps on this rank."""
@@ -167,6 +183,7 @@ class _FullAccumulatorSync(GradSync):
         scatter_into_rows(self._rows(bucket)[:, off : off + k], grad, accumulate=True)
 
     def zero(self) -> None:
+        super().zero()
         self.acc.zero_()
 
     def bytes_held(self) -> int:
@@ -265,6 +282,7 @@ class MicroStepReduceScatterSync(GradSync):
         return self.acc
 
     def zero(self) -> None:
+        super().zero()
         self.acc.zero_()
 
     def bytes_held(self) -> int:

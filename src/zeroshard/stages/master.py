@@ -10,11 +10,13 @@ given to the optimizer).
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 import torch.distributed as dist
 
 from zeroshard.comm import collectives as C
-from zeroshard.partition import Bucket, gather_from_rows
+from zeroshard.partition import INIT_CHUNK_ATTR, Bucket, gather_from_rows
 
 
 class MasterShard:
@@ -34,17 +36,20 @@ class MasterShard:
                 s, e = layout.local_range(rank)
                 a = b.start + off
                 view = self.flat[a : a + (e - s)]
-                # Copied from the full-precision values before the module is cast to a 16-bit dtype.
-                view.copy_(p.detach().reshape(-1)[s:e])
+                # Copied from the full-precision values before the module is cast to a 16-bit dtype;
+                # a parameter built under zero.Init brings exactly this chunk along.
+                chunk = getattr(p, INIT_CHUNK_ATTR, None)
+                view.copy_(chunk if chunk is not None else p.detach().reshape(-1)[s:e])
                 master = torch.nn.Parameter(view)
                 self.views[p] = master
                 self.ranges[p] = (s, e)
                 self.slices.append((master, a, e - s))
 
-    def attach_grads(self, flat_grad: torch.Tensor) -> None:
-        """Point every master's ``.grad`` at its slice of an fp32 flat gradient shard."""
+    def attach_grads(self, flat_grad: torch.Tensor, skip: Collection[torch.nn.Parameter] = ()) -> None:
+        """Point every master's ``.grad`` at its slice of an fp32 flat gradient shard; masters in
+        ``skip`` get none, so the optimizer leaves them (and their state) untouched."""
         for master, a, n in self.slices:
-            master.grad = flat_grad[a : a + n]
+            master.grad = None if master in skip else flat_grad[a : a + n]
 
     def detach_grads(self) -> None:
         """Drop the master gradients (they are views of a buffer the gradient sync owns)."""

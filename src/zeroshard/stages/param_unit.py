@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm import collectives as C
-from zeroshard.partition import Bucket, gather_from_rows
+from zeroshard.partition import Bucket, full_shape, gather_from_rows
 
 
 class UnitState(enum.Enum):
@@ -41,7 +41,7 @@ class ParamUnit:
         self.persistent = persistent
         self.name = name
         self.state = UnitState.SHARDED
-        self.shapes = [p.shape for p in bucket.params]
+        self.shapes = [full_shape(p) for p in bucket.params]
         self._pending: tuple[torch.Tensor, dist.Work | None] | None = None
 
     @property

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeroshard.partition import Bucket, buckets_from_groups
+from zeroshard.partition import INIT_CHUNK_ATTR, SHAPE_ATTR, Bucket, buckets_from_groups
 from zeroshard.precision import LossScaler, PrecisionPolicy
 from zeroshard.stages.coordinator import ParamCoordinator
 from zeroshard.stages.param_unit import ParamUnit, UnitState
@@ -49,9 +49,12 @@ class Stage3Optimizer(ZeroOptimizer):
             for b in self.buckets
         ]
         for u in self.units:
-            for p in u.params:
+            for p, shape in zip(u.params, u.shapes):
                 p._zeroshard_unit = u  # type: ignore[attr-defined]
-            u.state = UnitState.GATHERED  # the module still holds the full values: release them now
+                setattr(p, SHAPE_ATTR, shape)
+                if hasattr(p, INIT_CHUNK_ATTR):
+                    delattr(p, INIT_CHUNK_ATTR)  # adopted into the shard buffers
+            u.state = UnitState.GATHERED  # the module may still hold full values: release them now
             u.release()
         self.coordinator = ParamCoordinator(module, self.units, spec.max_live_parameters,
                                             spec.prefetch_bucket_size)

@@ -167,7 +167,8 @@ class ZeroOptimizer:
             coef = clip / (norm + 1e-6)
             if coef < 1.0:
                 g32.mul_(coef)
-        self.master.attach_grads(g32)
+        unused = {self.master.views[p] for p in self.sync.unused_params()}
+        self.master.attach_grads(g32, skip=unused)
         self._inner.step()
         self.master.detach_grads()
         self.sync.zero()

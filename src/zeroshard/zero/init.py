@@ -1,0 +1,126 @@
+"""``zeroshard.zero.Init``: build a model already partitioned, one parameter at a time.
+
+Inside the context every parameter registered on any module becomes a :class:`LazyShardTensor`
+(through torch's public parameter-registration hook, removed on exit; nothing in torch is
+patched). On exit each becomes an ordinary ``nn.Parameter`` with an empty placeholder and this
+rank's chunk attached, which ``initialize`` with ZeRO stage 3 adopts without ever materializing
+the whole model; other stages gather the chunks back into full parameters.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.modules.module import register_module_parameter_registration_hook
+
+from zeroshard.comm import collectives as C
+from zeroshard.errors import NotYetSupportedError
+from zeroshard.partition import INIT_CHUNK_ATTR as SHARD_ATTR
+from zeroshard.partition import SHAPE_ATTR, ShardLayout, full_shape
+from zeroshard.zero.lazy_shard import InitSession, LazyShardTensor, ShardCore
+
+logger = logging.getLogger("zeroshard")
+
+
+
+class Init:
+    """Partition parameters as modules are constructed (DeepSpeed's ``zero.Init``).
+
+    Args:
+        module: accepted for DeepSpeed compatibility (an already-built module is not re-partitioned).
+        data_parallel_group: the group to partition over (default: the world).
+        remote_device: ``None`` or ``"cpu"``... only ``None`` (the current device) for now.
+        pin_memory: accepted; meaningful with offload, which is not supported yet.
+        config_dict_or_path: the training config; its ZeRO stage must be 3 when given.
+        enabled: ``False`` builds the model normally.
+        dtype: dtype of the parameters' chunks (default: as constructed).
+    """
+
+    def __init__(self, module: torch.nn.Module | None = None, data_parallel_group: dist.ProcessGroup | None = None,
+                 remote_device: str | None = None, pin_memory: bool = False, config_dict_or_path: Any = None,
+                 config: Any = None, enabled: bool = True, dtype: torch.dtype | None = None,
+                 **deepspeed_only: Any) -> None:
+        if remote_device not in (None, "cuda", "cpu") or (remote_device == "cpu" and torch.cuda.is_available()):
+            raise NotYetSupportedError(f"zero.Init(remote_device={remote_device!r}): offload of parameters is "
+                                       "not supported yet", key="remote_device")
+        self.enabled = enabled
+        self.group = data_parallel_group
+        self.dtype = dtype
+        self._handle: Any = None
+        self._session: InitSession | None = None
+        self._created: list[tuple[torch.nn.Module, str]] = []
+        #: after the block: most bytes of parameter values this rank held at once while building
+        self.peak_bytes = 0
+
+    def __enter__(self) -> Init:
+        if not self.enabled:
+            return self
+        from zeroshard.comm.groups import init_distributed
+
+        init_distributed()
+        self._session = InitSession(self.group)
+        self._handle = register_module_parameter_registration_hook(self._on_register)
+        return self
+
+    def _on_register(self, module: torch.nn.Module, name: str, param: torch.nn.Parameter) -> Any:
+        if isinstance(param, LazyShardTensor) or param is None:
+            self._created.append((module, name))
+            return None
+        assert self._session is not None
+        data = param.detach()
+        if self.dtype is not None and data.is_floating_point():
+            data = data.to(self.dtype)
+        core = ShardCore(data, self._session)
+        self._created.append((module, name))
+        return torch.nn.Parameter(LazyShardTensor(core), requires_grad=param.requires_grad)
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if not self.enabled:
+            return
+        self._handle.remove()
+        assert self._session is not None
+        self._session.flush()
+        converted: dict[int, torch.nn.Parameter] = {}
+        for module, name in self._created:
+            lazy = module._parameters.get(name)
+            if not isinstance(lazy, LazyShardTensor):
+                continue
+            if id(lazy.core) not in converted:
+                core = lazy.core
+                assert core.chunk is not None
+                real = torch.nn.Parameter(torch.empty(0, dtype=core.dtype, device=core.chunk.device),
+                                          requires_grad=lazy.requires_grad)
+                setattr(real, SHARD_ATTR, core.chunk)
+                setattr(real, SHAPE_ATTR, core.shape)
+                converted[id(lazy.core)] = real
+            module._parameters[name] = converted[id(lazy.core)]
+        n = sum(int(torch.Size(getattr(p, SHAPE_ATTR)).numel()) for p in converted.values())
+        self.peak_bytes = self._session.peak_bytes
+        logger.info("zero.Init: %d parameters (%d elements) partitioned over %d ranks",
+                    len(converted), n, self._session.world)
+
+
+def materialize_init_params(model: torch.nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Gather parameters built under ``zero.Init`` back into full tensors (for stages 0–2)."""
+    world = C.world_size(group)
+    for p in model.parameters():
+        chunk = getattr(p, SHARD_ATTR, None)
+        if chunk is None:
+            continue
+        shape = full_shape(p)
+        layout = ShardLayout(int(torch.Size(shape).numel()), world)
+        padded = torch.zeros(layout.shard_numel, dtype=chunk.dtype, device=chunk.device)
+        padded[: chunk.numel()] = chunk
+        out = torch.empty(layout.shard_numel * world, dtype=chunk.dtype, device=chunk.device)
+        C.all_gather(out, padded, group, async_op=False)
+        p.data = out[: layout.numel].view(shape).clone()
+        delattr(p, SHARD_ATTR)
+        delattr(p, SHAPE_ATTR)
+
+
+__all__ = ["Init", "ShardCore", "materialize_init_params"]
