@@ -22,8 +22,10 @@ from zeroshard.device import default_device
 from zeroshard.engine import ZeroEngine
 from zeroshard.errors import ConfigError, NotYetSupportedError
 from zeroshard.optim import build_optimizer, build_scheduler
+from zeroshard.partition import full_numel
 from zeroshard.precision import PrecisionPolicy, make_loss_scaler
 from zeroshard.stages import Stage3Optimizer, StageSpec, ZeroOptimizer
+from zeroshard.zero.init import materialize_init_params
 
 logger = logging.getLogger("zeroshard")
 
@@ -83,6 +85,8 @@ def initialize(
     cfg = load_config(config, world_size=C.world_size(group), auto_values=auto_values)
     device = default_device(local_rank())
     model.to(device)
+    if cfg.zero_stage < 3:
+        materialize_init_params(model, group)  # built under zero.Init but trained unsharded
     _sync_module_states(model, group)
 
     param_groups = _param_groups(model, optimizer, model_parameters)
@@ -116,7 +120,7 @@ def initialize(
     loader = _dataloader(training_data, cfg, collate_fn, group)
     engine = ZeroEngine(model, zero_opt, cfg, policy, scheduler, group)
     logger.info("zeroshard: ZeRO stage %d, %s, world size %d, %d trainable parameters",
-                spec.stage, policy.param_dtype, engine.world_size, sum(p.numel() for p in zero_opt.master.views))
+                spec.stage, policy.param_dtype, engine.world_size, sum(full_numel(p) for p in zero_opt.master.views))
     return engine, zero_opt, loader, scheduler
 
 
