@@ -1,4 +1,4 @@
-"""Bytes held per rank follow the ZeRO formulas (Adam, 16-bit compute, Ψ parameters, N ranks).
+"""Bytes held per rank follow the ZeRO formulas (stages 0–3) (Adam, 16-bit compute, Ψ parameters, N ranks).
 
 With gradients accumulated in the compute dtype (``data_types.grad_accum_dtype: bf16``) the
 classic formulas hold: stage 1 holds 2Ψ + 2Ψ + 12Ψ/N bytes, stage 2 holds 2Ψ + 14Ψ/N. With the
@@ -24,14 +24,14 @@ def _model() -> nn.Module:
 
 def memory_worker(rank: int, world: int) -> dict[str, dict[str, int]]:
     out = {}
-    for stage in (0, 1, 2):
+    for stage in (0, 1, 2, 3):
         for accum in ("bf16", "fp32"):
             model = _model()
             cfg = {
                 "train_micro_batch_size_per_gpu": 2,
                 "bf16": {"enabled": True},
                 "data_types": {"grad_accum_dtype": accum},
-                "zero_optimization": {"stage": stage},
+                "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
             }
             engine, _, _, _ = zeroshard.initialize(model=model, config=cfg)
@@ -52,13 +52,17 @@ def test_memory_follows_zero_formulas(world: int) -> None:
         a = 2 if accum == "bf16" else 4
         shard = 1 if stage == 0 else n
         expected = {
-            "parameters": 2 * psi,
-            "gradients": a * psi / (n if stage == 2 else 1),
+            # Stage 3 at rest: an empty placeholder in the module, the 16-bit shard beside it.
+            "parameters": 0 if stage == 3 else 2 * psi,
+            "gradients": a * psi / (n if stage >= 2 else 1),
             "master_weights": 4 * psi / shard,
             "optimizer_states": 8 * psi / shard,
         }
+        if stage == 3:
+            expected["parameter_shard"] = 2 * psi / n
         slack = {
             "parameters": 0,
+            "parameter_shard": 2 * tensors,
             "gradients": a * n * tensors,
             "master_weights": 4 * tensors,
             "optimizer_states": 8 * tensors + 4 * tensors,  # padding of rank 0's chunks + step counters
@@ -67,6 +71,9 @@ def test_memory_follows_zero_formulas(world: int) -> None:
             assert want - 1 <= mem[k] <= want + slack[k] + 1, f"stage {stage} {accum} {k}: {mem[k]} vs {want}"
         total = sum(expected.values())
         assert abs(mem["total"] - total) / total < 0.01, (key, mem, total)
-    # Sharding really shrinks what each rank holds.
+    # Sharding really shrinks what each rank holds; stage 3 with bf16 accumulation is 16Ψ/N.
     r = results[0]
-    assert r["2/bf16"]["total"] < r["1/bf16"]["total"] < r["0/bf16"]["total"]
+    assert r["3/bf16"]["total"] < r["2/bf16"]["total"] < r["1/bf16"]["total"] < r["0/bf16"]["total"]
+    assert abs(r["3/bf16"]["total"] - 16 * psi / n) / (16 * psi / n) < 0.01
+    # Peak gathered parameters: at most the whole model in bf16 here (default live budget).
+    assert 0 < r["3/bf16"]["gathered_peak"] <= 2 * psi

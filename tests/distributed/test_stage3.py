@@ -231,3 +231,57 @@ def test_model_larger_than_budget_builds_and_trains() -> None:
         # budget (one unit each here), not by the model (8 units).
         assert mem["gathered_peak"] <= 3 * (2 * 256 * 256)
         assert r["losses"][-1] < r["losses"][0]
+
+
+def _llama():
+    transformers = __import__("pytest").importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+    )
+    return transformers.LlamaForCausalLM, cfg
+
+
+def hf_worker(rank: int, world: int) -> dict:
+    cls, hf_cfg = _llama()
+    torch.manual_seed(0)
+    with zeroshard.zero.Init():
+        model = cls(hf_cfg)
+    cfg = {"train_batch_size": 4, "gradient_clipping": 1.0,
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                 "stage3_max_live_parameters": 3000, "stage3_prefetch_bucket_size": 3000},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}}}
+    engine, _, _, _ = zeroshard.initialize(model=model, config=cfg)
+    ids = torch.randint(0, 97, (3, 4, 10), generator=torch.Generator().manual_seed(5))
+    mb = 4 // world
+    for step in range(3):
+        batch = ids[step, rank * mb : (rank + 1) * mb]
+        engine.backward(engine(input_ids=batch, labels=batch).loss)
+        engine.step()
+    norm = engine.module.model.norm.weight
+    with zeroshard.zero.GatheredParameters(norm, modifier_rank=0), torch.no_grad():
+        if rank == 0:
+            norm.mul_(3.0)
+    with engine.gathered():
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def test_hugging_face_llama_under_zero_init() -> None:
+    cls, hf_cfg = _llama()
+    torch.manual_seed(0)
+    ref = cls(hf_cfg)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    ids = torch.randint(0, 97, (3, 4, 10), generator=torch.Generator().manual_seed(5))
+    for step in range(3):
+        opt.zero_grad()
+        ref(input_ids=ids[step], labels=ids[step]).loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+    with torch.no_grad():
+        ref.model.norm.weight.mul_(3.0)
+    want = {n: p.detach() for n, p in ref.named_parameters()}
+    want_flat = torch.cat([t.reshape(-1) for t in want.values()])
+    for r in run_distributed(hf_worker, 2):
+        flat = torch.cat([r[n].reshape(-1) for n in want])
+        assert ((flat - want_flat).norm() / want_flat.norm()).item() <= 1e-5
+        torch.testing.assert_close(r["model.norm.weight"], want["model.norm.weight"], rtol=1e-6, atol=1e-6)
