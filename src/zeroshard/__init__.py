@@ -32,6 +32,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
         "zeroshard.checkpoint.consolidate", "get_fp32_state_dict_from_zero_checkpoint"),
     "load_state_dict_from_zero_checkpoint": ("zeroshard.checkpoint.consolidate", "load_state_dict_from_zero_checkpoint"),
     "zero": ("zeroshard.zero", None),
+    "utils": ("zeroshard.utils", None),
 }
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "__version__",
     "init_distributed",
     "initialize",
+    "utils",
     "zero",
 ]
 

@@ -76,8 +76,11 @@ def reference() -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def train(rank: int, world: int, zero: dict, init: bool) -> tuple[zeroshard.ZeroEngine, dict[str, torch.Tensor]]:
+def train(rank: int, world: int, zero: dict, init: bool,
+          leaf: bool = False) -> tuple[zeroshard.ZeroEngine, dict[str, torch.Tensor]]:
     model = build(init)
+    if leaf:  # the whole model one unit: a single gather per pass
+        zeroshard.utils.set_z3_leaf_modules(model, [TiedLM])
     cfg = {"train_batch_size": BATCH, "gradient_accumulation_steps": GA, "gradient_clipping": 1.0,
            "zero_optimization": {"stage": 3, **zero},
            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}}
@@ -105,16 +108,19 @@ VARIANTS = {
               "stage3_prefetch_bucket_size": 700},
     "no_prefetch": {"stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 300,
                     "stage3_prefetch_bucket_size": 0},
+    "leaf": {"stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 0},
 }
 
 
 def features_worker(rank: int, world: int) -> dict:
     out: dict = {}
     for name, zero in VARIANTS.items():
-        engine, params = train(rank, world, zero, init=(name == "tight"))
+        engine, params = train(rank, world, zero, init=(name == "tight"), leaf=(name == "leaf"))
         c = engine.optimizer.coordinator
         out[name] = {"params": params, "prefetches": c.prefetch_count, "gathers": c.gather_count,
-                     "peak": engine.memory_breakdown()["gathered_peak"]}
+                     "peak": engine.memory_breakdown()["gathered_peak"], "units": len(c.units)}
+        if name == "leaf":
+            engine, _ = train(rank, world, VARIANTS["no_prefetch"], init=False)  # later checks use this one
     # Generation: a loop of small forwards inside engine.gathered() gathers nothing more.
     idx = torch.tensor([[1, 2, 3]])
     with torch.no_grad():
@@ -158,6 +164,7 @@ def test_stage3_real_model_features() -> None:
             rel = ((flat - ref_flat).norm() / ref_flat.norm()).item()
             assert rel <= 1e-5, (name, rel)
         assert r["tight"]["prefetches"] > 0 and r["no_prefetch"]["prefetches"] == 0
+        assert r["leaf"]["units"] == 1 and r["tight"]["units"] == 4
         # The tight budget gathers again in backward; the defaults keep the small model gathered.
         assert r["tight"]["gathers"] > r["defaults"]["gathers"]
         assert r["gen_gathers"] == 0 and r["gen_same"]
@@ -285,3 +292,54 @@ def test_hugging_face_llama_under_zero_init() -> None:
         flat = torch.cat([r[n].reshape(-1) for n in want])
         assert ((flat - want_flat).norm() / want_flat.norm()).item() <= 1e-5
         torch.testing.assert_close(r["model.norm.weight"], want["model.norm.weight"], rtol=1e-6, atol=1e-6)
+
+
+def save16_worker(rank: int, world: int, out_dir: str) -> list[str]:
+    model = build()
+    cfg = {"train_batch_size": 2 * world, "bf16": {"enabled": True},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                 "stage3_max_live_parameters": 0, "stage3_gather_16bit_weights_on_model_save": True},
+           "optimizer": {"type": "SGD", "params": {"lr": 0.0}}}
+    engine, _, _, _ = zeroshard.initialize(model=model, config=cfg)
+    engine.save_16bit_model(out_dir, "pytorch_model.bin")
+    return sorted(p.name for p in __import__("pathlib").Path(out_dir).iterdir())
+
+
+def test_save_16bit_model_streams_full_weights(tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    names = run_distributed(save16_worker, 2, str(tmp_path))
+    assert names[0] == ["pytorch_model.safetensors"]
+    saved = load_file(tmp_path / "pytorch_model.safetensors")
+    want = {n: p.detach().to(torch.bfloat16) for n, p in build().named_parameters()}
+    assert set(saved) == set(want)  # the tied head is stored once, as embed.weight
+    for n, t in want.items():
+        assert saved[n].dtype == torch.bfloat16 and torch.equal(saved[n], t), n
+
+
+def load_worker(rank: int, world: int, path: str) -> dict:
+    torch.manual_seed(123)  # different from the weights on disk
+    with zeroshard.zero.Init():
+        model = Wide(layers=3, width=64)
+    zeroshard.zero.load_weights(model, path)  # each rank reads its own ranges only
+    cfg = {"train_batch_size": 2 * world, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+           "optimizer": {"type": "SGD", "params": {"lr": 0.0}}}
+    engine, _, _, _ = zeroshard.initialize(model=model, config=cfg)
+    with engine.gathered():
+        after_init = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    zeroshard.zero.load_weights(engine.module, {n: t * 2 for n, t in after_init.items()})  # into an engine
+    with engine.gathered():
+        after_engine = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    return {"init": after_init, "engine": after_engine}
+
+
+def test_load_weights_into_partitioned_model(tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    src = {n: p.detach().clone() for n, p in Wide(layers=3, width=64).named_parameters()}
+    save_file(src, tmp_path / "model.safetensors")
+    for r in run_distributed(load_worker, 2, str(tmp_path)):
+        for n, t in src.items():
+            assert torch.equal(r["init"][n], t), n
+            assert torch.equal(r["engine"][n], 2 * t), n

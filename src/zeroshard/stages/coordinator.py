@@ -36,6 +36,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from zeroshard.stages.param_unit import ParamUnit, UnitState
+from zeroshard.stages.units import is_leaf, unit_modules
 
 
 class _PreBackward(torch.autograd.Function):
@@ -63,8 +64,8 @@ class ParamCoordinator:
         self.prefetch_numel = prefetch_numel
         by_param = {p: u for u in units for p in u.params}
         self.module_units: dict[torch.nn.Module, list[ParamUnit]] = {}
-        for m in module.modules():
-            mine = list(dict.fromkeys(by_param[p] for p in m.parameters(recurse=False) if p in by_param))
+        for m in unit_modules(module):
+            mine = list(dict.fromkeys(by_param[p] for p in m.parameters(recurse=is_leaf(m)) if p in by_param))
             if mine:
                 self.module_units[m] = mine
         self.live: OrderedDict[ParamUnit, None] = OrderedDict()

@@ -3,7 +3,8 @@
 Design note
 -----------
 Units are modules' direct parameters (a parameter shared by several modules belongs to the
-first). Each unit is one bucket of the usual per-parameter chunk layout, so the fp32 master
+first), or a whole subtree for modules marked with ``set_z3_leaf_modules``. Each unit is one
+bucket of the usual per-parameter chunk layout, so the fp32 master
 shard, the gradient shard and the compute-dtype parameter shard are three flat buffers with the
 same geometry: after the optimizer step the new parameter shard is a cast of the master shard, no
 collective needed. Forward and backward gather units through :class:`ParamCoordinator`; gradients
@@ -28,6 +29,7 @@ from zeroshard.partition import INIT_CHUNK_ATTR, SHAPE_ATTR, Bucket, buckets_fro
 from zeroshard.precision import LossScaler, PrecisionPolicy
 from zeroshard.stages.coordinator import ParamCoordinator
 from zeroshard.stages.param_unit import ParamUnit, UnitState
+from zeroshard.stages.units import is_leaf, unit_modules
 from zeroshard.stages.zero_optimizer import StageSpec, ZeroOptimizer
 
 
@@ -67,8 +69,8 @@ class Stage3Optimizer(ZeroOptimizer):
         trained = set(params)
         groups: list[list[torch.nn.Parameter]] = []
         seen: set[torch.nn.Parameter] = set()
-        for m in self.module.modules():
-            mine = [p for p in m.parameters(recurse=False) if p in trained and p not in seen]
+        for m in unit_modules(self.module):
+            mine = [p for p in m.parameters(recurse=is_leaf(m)) if p in trained and p not in seen]
             seen.update(mine)
             if mine:
                 groups.append(mine)
