@@ -99,8 +99,8 @@ def initialize(
     z = cfg.zero_optimization
     spec = StageSpec(
         stage=cfg.zero_stage,
-        reduce_bucket_size=int(z.reduce_bucket_size),
-        allgather_bucket_size=int(z.allgather_bucket_size),
+        reduce_bucket_size=_bucket_numel(z, "reduce_bucket_size"),
+        allgather_bucket_size=_bucket_numel(z, "allgather_bucket_size"),
         overlap_comm=bool(z.overlap_comm),
         gradient_clipping=float(cfg.gradient_clipping),
         max_live_parameters=int(z.stage3_max_live_parameters),
@@ -122,6 +122,19 @@ def initialize(
     logger.info("zeroshard: ZeRO stage %d, %s, world size %d, %d trainable parameters",
                 spec.stage, policy.param_dtype, engine.world_size, sum(full_numel(p) for p in zero_opt.master.views))
     return engine, zero_opt, loader, scheduler
+
+
+#: Bucket size when the config does not set one. DeepSpeed's default of 5e8 elements makes a
+#: single bucket of any model under 500M parameters, so no communication overlaps backward;
+#: DDP's 25 MiB buckets do overlap, and the config's value stays an upper bound either way.
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+def _bucket_numel(zero: Any, key: str) -> int:
+    value = int(getattr(zero, key))
+    if key in zero.model_fields_set:
+        return value
+    return min(value, DEFAULT_BUCKET_BYTES // 4)
 
 
 def _sync_module_states(model: torch.nn.Module, group: dist.ProcessGroup | None) -> None:

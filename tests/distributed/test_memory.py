@@ -39,6 +39,14 @@ def memory_worker(rank: int, world: int) -> dict[str, dict[str, int]]:
             engine.backward(loss)
             engine.step()
             out[f"{stage}/{accum}"] = engine.memory_breakdown()
+        # fp32 training: the module's parameters are the master weights.
+        model = _model()
+        cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+        engine, _, _, _ = zeroshard.initialize(model=model, config=cfg)
+        engine.backward(engine(torch.randn(2, 301)).pow(2).mean())
+        engine.step()
+        out[f"{stage}/fp32-training"] = engine.memory_breakdown()
     return out
 
 
@@ -49,6 +57,15 @@ def test_memory_follows_zero_formulas(world: int) -> None:
     psi, n, tensors = sum(shapes), world, len(shapes)
     for key, mem in results[0].items():
         stage, accum = int(key.split("/")[0]), key.split("/")[1]
+        if accum == "fp32-training":
+            if stage == 3:
+                continue
+            # ZeRO's fp32 formulas: 4Ψ params + 4Ψ gradients (4Ψ/N at stage 2) + Adam 8Ψ (/N from stage 1).
+            shard = 1 if stage == 0 else n
+            want = 4 * psi + 4 * psi / (n if stage == 2 else 1) + 8 * psi / shard
+            assert mem["master_weights"] == 0, (key, mem)
+            assert abs(mem["total"] - want) / want < 0.01, (key, mem, want)
+            continue
         a = 2 if accum == "bf16" else 4
         shard = 1 if stage == 0 else n
         expected = {

@@ -15,7 +15,8 @@ The step: unscale (fp16), global norm (all-reduced over shards; a non-finite nor
 on *some* rank, so every rank skips together), clip, optimizer step, publish parameters.
 Memory residency per rank (Ψ parameters, N ranks, 16-bit compute, Adam): module params 2Ψ;
 gradients ``a·Ψ`` (stages 0–1) or ``a·Ψ/N`` (stage 2) with ``a`` the accumulation dtype's bytes;
-master 4Ψ/N and Adam state 8Ψ/N (stages 1–2), or 4Ψ and 8Ψ at stage 0.
+master 4Ψ/N and Adam state 8Ψ/N (stages 1–2), or 4Ψ and 8Ψ at stage 0. In fp32 the masters are
+views into the module's parameters and cost nothing extra.
 """
 
 from __future__ import annotations
@@ -89,7 +90,9 @@ class ZeroOptimizer:
                 p.data = p.data.contiguous()
         self.buckets = self._make_buckets(params)
         layout_world = self.buckets[0].layouts[0].world if self.buckets else 1
-        self.master = MasterShard(self.buckets, self.rank if layout_world > 1 else 0, device)
+        # fp32 training: the module's parameters are the masters (no copy; stage 3 aliases its shard).
+        alias = policy.param_dtype == torch.float32 and spec.stage < 3
+        self.master = MasterShard(self.buckets, self.rank if layout_world > 1 else 0, device, alias_params=alias)
         self.sync = _SYNC_FOR_STAGE[min(spec.stage, 2)](self.buckets, group, policy, device, spec.overlap_comm)
         for p in params:
             p._zeroshard_owner = self  # type: ignore[attr-defined]  # found by GatheredParameters
