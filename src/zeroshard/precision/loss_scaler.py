@@ -52,6 +52,7 @@ class DynamicLossScaler(LossScaler):
         hysteresis: int = 2,
         consecutive_hysteresis: bool = False,
         scale_factor: float = 2.0,
+        raise_error_at_min_scale: bool = True,
     ) -> None:
         super().__init__(init_scale)
         self.scale_window = scale_window
@@ -59,6 +60,7 @@ class DynamicLossScaler(LossScaler):
         self.hysteresis = hysteresis
         self.consecutive_hysteresis = consecutive_hysteresis
         self.scale_factor = scale_factor
+        self.raise_error_at_min_scale = raise_error_at_min_scale
         self.cur_hysteresis = hysteresis
         self.cur_iter = 0
         self.last_overflow_iter = -1
@@ -67,6 +69,12 @@ class DynamicLossScaler(LossScaler):
         """Lower the scale after overflows (with hysteresis), raise it after a clean window."""
         if overflow:
             if self.hysteresis == 1 or self.cur_hysteresis == 1:
+                if self.scale == self.min_scale and self.raise_error_at_min_scale:
+                    # As DeepSpeed: skipping every step at the floor would train nothing, silently.
+                    raise FloatingPointError(
+                        f"fp16 gradients overflow at the minimum loss scale {self.min_scale:g}: training "
+                        "has diverged (lower the learning rate, use bf16, or lower fp16.min_loss_scale)"
+                    )
                 new_scale = max(self.scale / self.scale_factor, self.min_scale)
                 logger.warning(
                     "fp16 gradient overflow: step skipped, loss scale %g -> %g", self.scale, new_scale
@@ -83,7 +91,8 @@ class DynamicLossScaler(LossScaler):
         else:
             if self.consecutive_hysteresis:
                 self.cur_hysteresis = self.hysteresis
-            if (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
+            stable = self.cur_iter - self.last_overflow_iter - 1  # clean steps since the overflow
+            if stable > 0 and stable % self.scale_window == 0:
                 if not self.consecutive_hysteresis:
                     self.cur_hysteresis = self.hysteresis
                 self.scale *= self.scale_factor
