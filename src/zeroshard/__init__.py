@@ -30,7 +30,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "ZeroEngine": ("zeroshard.engine", "ZeroEngine"),
     "get_fp32_state_dict_from_zero_checkpoint": (
         "zeroshard.checkpoint.consolidate", "get_fp32_state_dict_from_zero_checkpoint"),
-    "load_state_dict_from_zero_checkpoint": ("zeroshard.checkpoint.consolidate", "load_state_dict_from_zero_checkpoint"),
+    "load_state_dict_from_zero_checkpoint": (
+        "zeroshard.checkpoint.consolidate", "load_state_dict_from_zero_checkpoint"),
     "zero": ("zeroshard.zero", None),
     "utils": ("zeroshard.utils", None),
 }
@@ -43,8 +44,10 @@ __all__ = [
     "ZeroEngine",
     "ZeroshardError",
     "__version__",
+    "get_fp32_state_dict_from_zero_checkpoint",
     "init_distributed",
     "initialize",
+    "load_state_dict_from_zero_checkpoint",
     "utils",
     "zero",
 ]

@@ -112,6 +112,19 @@ class ZeroEngine(torch.nn.Module):
 
         return GatheredParameters(list(self.module.parameters()), enabled=enabled)
 
+    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Write the full weights (compute dtype) as one safetensors file from rank 0.
+
+        Under ZeRO-3 the units are gathered one at a time while streaming, whatever
+        ``stage3_gather_16bit_weights_on_model_save`` says (DeepSpeed refuses to save without it;
+        here gathering costs one unit of memory, so there is no reason to). Returns ``True``.
+        """
+        from zeroshard.zero.export import save_16bit_model
+
+        save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+        return True
+
     # -- training ----------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module, casting floating-point inputs to the compute dtype (``auto_cast``)."""
@@ -190,11 +203,7 @@ class ZeroEngine(torch.nn.Module):
     def training_dataloader(self) -> Any:
         """The data loader ``initialize(training_data=...)`` built for this engine (or one assigned
         here); checkpoints save and restore its position."""
-        if "_training_dataloader" in self.__dict__:
-            return self.__dict__["_training_dataloader"]
-        from zeroshard.checkpoint.dataloader import linked_loader
-
-        return linked_loader(self.config)
+        return self.__dict__.get("_training_dataloader")
 
     @training_dataloader.setter
     def training_dataloader(self, loader: Any) -> None:

@@ -119,6 +119,7 @@ def initialize(
     scheduler = _scheduler(lr_scheduler, zero_opt, cfg)
     loader = _dataloader(training_data, cfg, collate_fn, group)
     engine = ZeroEngine(model, zero_opt, cfg, policy, scheduler, group)
+    engine.training_dataloader = loader
     logger.info("zeroshard: ZeRO stage %d, %s, world size %d, %d trainable parameters",
                 spec.stage, policy.param_dtype, engine.world_size, sum(full_numel(p) for p in zero_opt.master.views))
     return engine, zero_opt, loader, scheduler
@@ -210,10 +211,10 @@ def _dataloader(data: Any, cfg: ZeroshardConfig, collate_fn: Callable[..., Any] 
     if data is None:
         return None
     # Resumable: same batches as DistributedSampler, and a position that checkpoints save/restore.
-    from zeroshard.checkpoint.dataloader import ResumableDataLoader, ResumableDistributedSampler, link_loader
+    from zeroshard.checkpoint.dataloader import ResumableDataLoader, ResumableDistributedSampler
 
     sampler = ResumableDistributedSampler(data, num_replicas=C.world_size(group), rank=C.rank(group), shuffle=True)
-    loader = ResumableDataLoader(data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler,
-                                 collate_fn=collate_fn)
-    link_loader(cfg, loader)
-    return loader
+    micro = cfg.train_micro_batch_size_per_gpu
+    assert micro is not None  # resolved by load_config
+    return ResumableDataLoader(data, batch_size=micro, sampler=sampler,
+                               collate_fn=collate_fn)

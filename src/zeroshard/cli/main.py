@@ -19,6 +19,7 @@ from collections.abc import Sequence
 #: command name -> (module implementing ``main(argv, prog) -> int``, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("zeroshard.cli.launch", "run a training script on every local rank (wraps torchrun)"),
+    "convert": ("zeroshard.cli.convert", "write a checkpoint's consolidated weights as safetensors"),
 }
 
 

@@ -84,7 +84,8 @@ class Stage3Optimizer(ZeroOptimizer):
         super().finish_backward()
         self.coordinator.end_of_pass()
 
-    def _publish(self) -> None:
+    def publish(self) -> None:
+        """Refresh the 16-bit shard from the masters and drop stale gathered copies."""
         with torch.no_grad():
             if self.param_shard is not self.master.flat:
                 self.param_shard.copy_(self.master.flat)

@@ -175,7 +175,7 @@ class ZeroOptimizer:
         self._inner.step()
         self.master.detach_grads()
         self.sync.zero()
-        self._publish()
+        self.publish()
         return True
 
     def _global_norm(self, g32: torch.Tensor) -> float:
@@ -184,7 +184,8 @@ class ZeroOptimizer:
             C.all_reduce(sq, self.group, async_op=False)
         return float(sq.sqrt().item())
 
-    def _publish(self) -> None:
+    def publish(self) -> None:
+        """Make the module's parameters reflect the (updated or loaded) master weights."""
         with torch.no_grad():
             if self.sharded:
                 self.master.all_gather_to_params(self.group, self.spec.allgather_bucket_size,

@@ -2,5 +2,6 @@
 
 from zeroshard.zero.gathered import GatheredParameters
 from zeroshard.zero.init import Init
+from zeroshard.zero.load import load_weights
 
-__all__ = ["GatheredParameters", "Init"]
+__all__ = ["GatheredParameters", "Init", "load_weights"]

@@ -1,0 +1,39 @@
+"""Failing together: a local error in a collective save or load is raised on every rank.
+
+Without this, one rank raising (a missing file, a full disk) while the others proceed to the next
+collective leaves them blocked until the process-group timeout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from zeroshard.comm import collectives as C
+from zeroshard.errors import CheckpointError
+
+T = TypeVar("T")
+
+
+def together(fn: Callable[[], T], group: dist.ProcessGroup | None, what: str) -> T:
+    """Run ``fn`` on every rank; if it raised anywhere, raise on every rank.
+
+    The failing rank re-raises its own exception; the others raise :class:`CheckpointError`
+    saying that another rank failed while ``what``.
+    """
+    error: Exception | None = None
+    result: T | None = None
+    try:
+        result = fn()
+    except Exception as e:  # re-raised below, once every rank knows
+        error = e
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+    C.all_reduce(flag, group, async_op=False, op=dist.ReduceOp.MAX)
+    if error is not None:
+        raise error
+    if int(flag.item()):
+        raise CheckpointError(f"checkpoint {what} failed on another rank (see that rank's error)")
+    return result  # type: ignore[return-value]

@@ -1,0 +1,166 @@
+"""Consolidated weights from a sharded checkpoint (zeroshard's or DeepSpeed's), tensor by tensor.
+
+:func:`convert_checkpoint` writes one safetensors file, or Hugging Face style shards
+(``model-00001-of-00003.safetensors`` + ``model.safetensors.index.json``) when a maximum shard
+size is given. It plans every file's header from the checkpoint metadata, then fetches, casts and
+writes one tensor at a time, so peak memory is about the largest tensor, not the model. Tied
+parameters are written once, under their first name (as Hugging Face does); buffers and frozen
+parameters are included. The Python functions mirror DeepSpeed's ``zero_to_fp32`` helpers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zeroshard.checkpoint.atomic import new_nonce
+from zeroshard.checkpoint.paths import resolve_checkpoint
+from zeroshard.checkpoint.safetensors_io import TensorSpec, write_safetensors
+from zeroshard.checkpoint.source import CheckpointSource, open_source
+from zeroshard.errors import CheckpointError
+
+logger = logging.getLogger("zeroshard")
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """``"5GB"`` -> 5·10⁹ bytes, ``"500MiB"`` -> 500·2²⁰, ``123`` -> 123 (Hugging Face's convention)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", text.upper())
+    if not m or m.group(2) not in _UNITS:
+        raise ValueError(f"cannot read size {text!r}; write e.g. 5GB, 500MB or 2GiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def _open(checkpoint_dir: str | Path, tag: str | None) -> CheckpointSource:
+    path = resolve_checkpoint(checkpoint_dir, tag)
+    if path is None:
+        if not Path(checkpoint_dir).exists():
+            raise CheckpointError(f"checkpoint directory {checkpoint_dir} does not exist")
+        raise CheckpointError(f"{checkpoint_dir} has no 'latest' file; pass the tag (a subdirectory) explicitly")
+    return open_source(path)
+
+
+def _names(src: CheckpointSource) -> list[str]:
+    """Tensors to export, in the module's ``state_dict`` order, each tied parameter once."""
+    known = set(src.params) | set(src.frozen) | set(src.buffers)
+    ordered = [k for k in src.module_keys if k in known]
+    return ordered + [k for k in (*src.params, *src.frozen, *src.buffers) if k not in set(ordered)]
+
+
+def _spec(src: CheckpointSource, name: str, dtype: torch.dtype | None) -> TensorSpec:
+    if name in src.params:
+        return TensorSpec(name, dtype or torch.float32, tuple(src.params[name].shape))
+    t = src.read_extra(name)  # buffers and frozen parameters are small next to the trained ones
+    out = (dtype or torch.float32) if t.is_floating_point() else t.dtype
+    return TensorSpec(name, out, tuple(t.shape))
+
+
+def iter_consolidated(src: CheckpointSource, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, full tensor)`` for every exported tensor, one at a time (floating point in ``dtype``, fp32 default)."""
+    for name in _names(src):
+        t = src.read_full(name)
+        yield name, t.to(dtype or torch.float32) if t.is_floating_point() else t
+
+
+def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | Path,
+                                             tag: str | None = None) -> dict[str, torch.Tensor]:
+    """The full fp32 state dict of a zeroshard or DeepSpeed ZeRO checkpoint, on CPU.
+
+    Args:
+        checkpoint_dir: the directory holding ``latest`` and the tag directories (or a tag directory).
+        tag: the tag to read; default: the one named by ``checkpoint_dir/latest``.
+
+    Returns:
+        Parameter and buffer names (tied parameters under every name) to tensors, ready for
+        ``model.load_state_dict``.
+    """
+    with _open(checkpoint_dir, tag) as src:
+        out = dict(iter_consolidated(src))
+        for alias, name in src.aliases.items():
+            if name in out:
+                out[alias] = out[name]
+        order = {k: i for i, k in enumerate(src.module_keys)}
+    return dict(sorted(out.items(), key=lambda kv: order.get(kv[0], len(order))))
+
+
+def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir: str | Path,
+                                         tag: str | None = None) -> torch.nn.Module:
+    """Load a checkpoint's consolidated fp32 weights into ``model`` (moved to CPU), as DeepSpeed does.
+
+    Returns the model. Keys absent from the checkpoint are left as they are (``strict=False``).
+    """
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    model = model.cpu()
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+def _plan(specs: list[TensorSpec], max_bytes: int | None) -> list[list[TensorSpec]]:
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for s in specs:
+        if max_bytes is not None and shards[-1] and size + s.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(s)
+        size += s.nbytes
+    return shards
+
+
+def convert_checkpoint(checkpoint_dir: str | Path, out: str | Path, tag: str | None = None,
+                       dtype: torch.dtype = torch.float32, max_shard_size: str | int | None = None,
+                       progress: Callable[[int, int, str], None] | None = None) -> list[Path]:
+    """Write a checkpoint's consolidated weights as safetensors; return the files written.
+
+    ``out`` ending in ``.safetensors`` is the single output file; otherwise it is a directory that
+    receives ``model.safetensors``, or, with ``max_shard_size``, Hugging Face shards and index.
+    Each file appears atomically (temporary name, then rename). ``progress(done, total, name)``
+    is called after each tensor.
+    """
+    out = Path(out)
+    limit = None if max_shard_size is None else parse_size(max_shard_size)
+    with _open(checkpoint_dir, tag) as src:
+        specs = [_spec(src, n, dtype) for n in _names(src)]
+        shards = _plan(specs, limit)
+        if out.suffix == ".safetensors":
+            if len(shards) > 1:
+                raise CheckpointError(f"{out}: --max-shard-size needs an output directory, not a .safetensors file")
+            files = [out]
+        else:
+            files = [out / (SINGLE_FILE if len(shards) == 1 else
+                            f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors") for i in range(len(shards))]
+        files[0].parent.mkdir(parents=True, exist_ok=True)
+        done, total = 0, len(specs)
+
+        def produce(spec: TensorSpec) -> torch.Tensor:
+            nonlocal done
+            t = src.read_full(spec.name)
+            done += 1
+            if progress is not None:
+                progress(done, total, spec.name)
+            return t.to(spec.dtype)
+
+        meta: dict[str, Any] = {"format": "pt", "source": str(src.path), "source_format": src.format}
+        for path, shard in zip(files, shards):
+            tmp = path.with_name(f".tmp-{path.name}-{new_nonce()}")
+            write_safetensors(tmp, shard, produce, {k: str(v) for k, v in meta.items()})
+            os.replace(tmp, path)
+        if len(files) > 1:
+            index = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
+                     "weight_map": {s.name: f.name for f, shard in zip(files, shards) for s in shard}}
+            (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
+            files.append(out / INDEX_FILE)
+    logger.info("wrote %d tensors to %s", total, ", ".join(str(f) for f in files))
+    return files

@@ -1,0 +1,87 @@
+"""Plain data with tensors, as JSON plus a table of named tensors (no pickle in either direction).
+
+``client_state``, scheduler states and similar user-shaped values are stored as JSON in the
+checkpoint metadata; every tensor inside them is replaced by ``{"__tensor__": name}`` and saved
+in a safetensors file. Tuples and dicts with non-string keys survive the round trip through
+``{"__tuple__": [...]}`` and ``{"__items__": [[key, value], ...]}``. Anything else (arbitrary
+objects, which only pickle could store) is refused with the path of the offending value.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from zeroshard.errors import CheckpointError
+
+TENSOR, TUPLE, ITEMS = "__tensor__", "__tuple__", "__items__"
+_RESERVED = frozenset({TENSOR, TUPLE, ITEMS})
+
+
+class TensorTable:
+    """Tensors collected while encoding, named ``<prefix><index>``."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def add(self, t: torch.Tensor) -> str:
+        """Store ``t`` (detached, on CPU) and return its name."""
+        name = f"{self.prefix}{len(self.tensors)}"
+        self.tensors[name] = t.detach().cpu()
+        return name
+
+
+def encode(obj: Any, table: TensorTable, where: str) -> Any:
+    """JSON-serializable form of ``obj``; tensors go to ``table``.
+
+    Raises:
+        CheckpointError: naming the path (``where`` plus keys/indices) of a value that is neither
+            plain data nor a tensor.
+    """
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, numbers.Integral):
+        return int(obj)
+    if isinstance(obj, numbers.Real):
+        return float(obj)  # NaN and infinities are written as Python's json writes them
+    if isinstance(obj, torch.Tensor):
+        return {TENSOR: table.add(obj)}
+    if isinstance(obj, list):
+        return [encode(v, table, f"{where}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, tuple):
+        return {TUPLE: [encode(v, table, f"{where}[{i}]") for i, v in enumerate(obj)]}
+    if isinstance(obj, Mapping):
+        if all(isinstance(k, str) for k in obj) and not _RESERVED.intersection(obj):
+            return {k: encode(v, table, f"{where}[{k!r}]") for k, v in obj.items()}
+        return {ITEMS: [[encode(k, table, f"{where} key {k!r}"), encode(v, table, f"{where}[{k!r}]")]
+                        for k, v in obj.items()]}
+    raise CheckpointError(
+        f"{where} holds a {type(obj).__module__}.{type(obj).__qualname__}, which a checkpoint cannot store "
+        "without pickle; keep it to dicts, lists, tuples, strings, numbers, booleans, None and tensors"
+    )
+
+
+def decode(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Inverse of :func:`encode`, with ``tensors`` the table it filled (as read back)."""
+    if isinstance(obj, list):
+        return [decode(v, tensors) for v in obj]
+    if isinstance(obj, dict):
+        if len(obj) == 1 and TENSOR in obj:
+            name = obj[TENSOR]
+            if name not in tensors:
+                raise CheckpointError(f"checkpoint metadata refers to a tensor {name!r} that is not stored")
+            return tensors[name]
+        if len(obj) == 1 and TUPLE in obj:
+            return tuple(decode(v, tensors) for v in obj[TUPLE])
+        if len(obj) == 1 and ITEMS in obj:
+            return {_hashable(decode(k, tensors)): decode(v, tensors) for k, v in obj[ITEMS]}
+        return {k: decode(v, tensors) for k, v in obj.items()}
+    return obj
+
+
+def _hashable(key: Any) -> Any:
+    return tuple(_hashable(k) for k in key) if isinstance(key, list) else key

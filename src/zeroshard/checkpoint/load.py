@@ -1,0 +1,162 @@
+"""``engine.load_checkpoint``: each rank reads the ranges it owns, from either format, any world size.
+
+For every trained parameter the rank owns the elements ``[lo, hi)`` of the flattened value (its
+stage's chunk, or everything at stage 0); it reads exactly that range of the fp32 master and of
+each sharded optimizer-state entry from the files that hold it, then the stage re-publishes the
+module parameters from the masters. Nothing is gathered, so memory stays at one shard.
+Semantics follow DeepSpeed's ``load_checkpoint``: ``load_module_only`` restores weights alone;
+otherwise optimizer state, loss scaler, LR scheduler and step counters follow the flags, and
+zeroshard also restores each rank's RNG state and the data loader's position.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zeroshard.checkpoint import collect
+from zeroshard.checkpoint.agree import together
+from zeroshard.checkpoint.paths import resolve_checkpoint
+from zeroshard.checkpoint.rng import restore_rng
+from zeroshard.checkpoint.source import MASTER, CheckpointSource, open_source
+from zeroshard.comm import collectives as C
+from zeroshard.errors import CheckpointError
+
+logger = logging.getLogger("zeroshard")
+
+
+def _check_names(src: CheckpointSource, trained: list[collect.TrainedParam], strict: bool) -> None:
+    live = {tp.name: tp for tp in trained}
+    stored = set(src.params) | set(src.frozen)
+    missing = [n for n in live if n not in stored]
+    unexpected = [n for n in src.params if n not in live]
+    for n, tp in live.items():
+        if n in src.params and tuple(src.params[n].shape) != tuple(tp.shape):
+            raise CheckpointError(f"{src.path}: parameter {n!r} has shape {tuple(src.params[n].shape)} in the "
+                                  f"checkpoint and {tuple(tp.shape)} in the model")
+    if strict and (missing or unexpected):
+        raise CheckpointError(f"{src.path} does not match the model (load_module_strict=True): missing "
+                              f"{missing or 'none'}, unexpected {unexpected or 'none'}")
+
+
+def _load_weights(src: CheckpointSource, engine: Any, trained: list[collect.TrainedParam], strict: bool) -> None:
+    with torch.no_grad():
+        for tp in trained:
+            if tp.name in src.params:
+                src.read(MASTER, tp.name, tp.lo, tp.hi, out=tp.master.data)
+            elif tp.name in src.frozen:
+                tp.master.copy_(src.read_extra(tp.name).reshape(-1)[tp.lo : tp.hi])
+        trained_ids = {id(tp.param) for tp in trained}
+        live_extra = {n: p for n, p in engine.module.named_parameters() if id(p) not in trained_ids}
+        state = engine.module.state_dict(keep_vars=True)
+        names = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}
+        live_extra.update({k: v for k, v in state.items() if k not in names and isinstance(v, torch.Tensor)})
+        stored = set(src.buffers) | set(src.frozen) | set(src.params)
+        missing = [n for n in live_extra if n not in stored]
+        if strict and missing:
+            raise CheckpointError(f"{src.path} lacks buffers/frozen parameters {missing} (load_module_strict=True)")
+        for n, t in live_extra.items():
+            if n in stored:
+                value = src.read_full(n)
+                if value.shape != t.shape:
+                    raise CheckpointError(f"{src.path}: {n!r} has shape {tuple(value.shape)} in the checkpoint and "
+                                          f"{tuple(t.shape)} in the model")
+                t.data.copy_(value)
+
+
+def _load_optimizer(src: CheckpointSource, engine: Any, trained: list[collect.TrainedParam]) -> None:
+    opt = engine.optimizer.optimizer
+    if src.param_groups is not None and len(src.param_groups) != len(opt.param_groups):
+        raise CheckpointError(f"{src.path} has {len(src.param_groups)} optimizer param groups, the optimizer "
+                              f"{len(opt.param_groups)}")
+    index = {id(m): i for i, m in enumerate(m for g in opt.param_groups for m in g["params"])}
+    states: dict[int, dict[str, Any]] = {}
+    for tp in trained:
+        sp = src.params.get(tp.name)
+        if sp is None:
+            continue
+        live = opt.state.get(tp.master, {})
+        st = {}
+        for key, kind in sp.state.items():
+            if kind != collect.SHARDED:
+                st[key] = src.read_scalar(key, tp.name)
+                continue
+            # Refill a live state tensor of the right shape in place: no second copy of the state.
+            cur = live.get(key)
+            fits = isinstance(cur, torch.Tensor) and cur.shape == tp.master.shape and cur.is_contiguous()
+            st[key] = src.read(key, tp.name, tp.lo, tp.hi, out=cur if fits else None)
+        if st:
+            states[index[id(tp.master)]] = st
+    current = opt.state_dict()
+    groups = []
+    for i, g in enumerate(current["param_groups"]):
+        saved = src.param_groups[i] if src.param_groups is not None else {}
+        groups.append({**g, **{k: v for k, v in saved.items() if k not in collect.IMPLEMENTATION_KEYS}})
+    opt.load_state_dict({"state": states, "param_groups": groups})
+    scaler, saved_scaler = engine.optimizer.scaler, src.loss_scaler
+    if saved_scaler is not None:
+        if bool(saved_scaler.get("dynamic")) == bool(getattr(scaler, "dynamic", False)):
+            scaler.load_state_dict(saved_scaler)
+        else:
+            logger.warning("loss scaler not restored: the checkpoint's is %s, this engine's is %s",
+                           "dynamic" if saved_scaler.get("dynamic") else "static",
+                           "dynamic" if scaler.dynamic else "static")
+
+
+def _load_training_state(src: CheckpointSource, engine: Any, load_lr_scheduler_states: bool) -> None:
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and src.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(src.lr_scheduler)
+    c = src.counters
+    engine.global_steps = int(c.get("global_steps", 0))
+    engine.global_samples = int(c.get("global_samples", engine.global_steps * engine.train_batch_size()))
+    engine.micro_steps = int(c.get("micro_steps", engine.global_steps * engine.gradient_accumulation_steps()))
+    engine.skipped_steps = int(c.get("skipped_steps", 0))
+    rng = src.rng(C.rank(engine.group))
+    if rng is not None:
+        restore_rng(*rng)
+    loader: Any = getattr(engine, "training_dataloader", None)
+    if src.dataloader is not None and hasattr(loader, "load_state_dict"):
+        loader.load_state_dict(src.dataloader)
+
+
+def load_checkpoint(engine: Any, load_dir: str | Path, tag: str | None = None, load_module_strict: bool = True,
+                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False) -> tuple[str | None, dict[str, Any] | None]:
+    """Load a zeroshard or DeepSpeed checkpoint into ``engine`` (collective). See the module doc.
+
+    Returns:
+        ``(path of the tag directory, client_state)``, or ``(None, None)`` when ``tag`` is not given
+        and ``load_dir`` has no ``latest`` file (DeepSpeed's behaviour).
+    """
+    group = engine.group
+    path = together(lambda: resolve_checkpoint(load_dir, tag), group, "finding the checkpoint")
+    if path is None:
+        logger.warning("no 'latest' file in %s and no tag given: nothing loaded", load_dir)
+        return None, None
+    src = together(lambda: open_source(path), group, f"opening {path}")
+    try:
+        trained = collect.trained_params(engine)
+
+        def read_weights() -> None:
+            _check_names(src, trained, load_module_strict)
+            _load_weights(src, engine, trained, load_module_strict)
+
+        together(read_weights, group, f"reading the weights of {path}")
+        engine.optimizer.publish()
+        if not load_module_only:
+            if load_optimizer_states:
+                together(lambda: _load_optimizer(src, engine, trained), group, f"reading the optimizer state of {path}")
+            together(lambda: _load_training_state(src, engine, load_lr_scheduler_states), group,
+                     f"restoring the training state of {path}")
+        client_state = dict(src.client_state)
+    finally:
+        src.close()
+    if C.world_size(group) > 1:
+        dist.barrier(group=group)
+    logger.info("loaded checkpoint %s (%s format, saved by %d ranks at stage %d)", path, src.format,
+                src.world_size, src.zero_stage)
+    return str(path), client_state

@@ -1,0 +1,225 @@
+"""Streaming safetensors files: written tensor by tensor, read by element range.
+
+The safetensors layout is an 8-byte little-endian header length, a JSON header giving each
+tensor's dtype, shape and byte range, then the raw little-endian bytes. The header holds only
+shapes and dtypes, so a writer can emit it first and then stream each tensor from wherever it
+lives (a master view, a chunk read from another file), and a reader can fetch any element range
+of any tensor with one positioned read. Peak memory is therefore one tensor (or one range), never
+a whole file. Files written here load with the ``safetensors`` library, and this reader accepts
+any file that library writes. Nothing here unpickles: the header is JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from zeroshard.errors import CheckpointError
+
+_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"),
+                     ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")):
+    if hasattr(torch, _attr):
+        _DTYPES[_name] = getattr(torch, _attr)
+_CODES = {v: k for k, v in _DTYPES.items()}
+_MAX_HEADER = 256 * 1024 * 1024
+
+
+def dtype_code(dtype: torch.dtype) -> str:
+    """The safetensors name of a torch dtype (``torch.float32`` -> ``"F32"``)."""
+    if dtype not in _CODES:
+        raise CheckpointError(f"dtype {dtype} cannot be stored in a safetensors file")
+    return _CODES[dtype]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, dtype and shape of one tensor to be written."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the raw data."""
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a CPU tensor (a contiguous copy first when it is not contiguous)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    flat = t.contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")
+
+
+def write_safetensors(path: str | os.PathLike[str], specs: Sequence[TensorSpec],
+                      produce: Callable[[TensorSpec], torch.Tensor], metadata: dict[str, str] | None = None,
+                      after_each: Callable[[int], None] | None = None) -> int:
+    """Write a safetensors file, asking ``produce(spec)`` for each tensor only when it is written.
+
+    The file is flushed and fsynced before returning. Returns its size in bytes.
+
+    Args:
+        path: the file to create (overwritten if present).
+        specs: every tensor, in file order; names must be unique.
+        produce: returns the tensor for a spec (any device; cast and reshaped as needed).
+        metadata: string-to-string ``__metadata__`` of the header.
+        after_each: called with the index of each tensor once its bytes are written.
+    """
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for spec in specs:
+        if spec.name in header:
+            raise CheckpointError(f"{path}: tensor name {spec.name!r} given twice")
+        header[spec.name] = {"dtype": dtype_code(spec.dtype), "shape": list(spec.shape),
+                             "data_offsets": [offset, offset + spec.nbytes]}
+        offset += spec.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for i, spec in enumerate(specs):
+            t = produce(spec)
+            if t.numel() != spec.numel:
+                raise CheckpointError(f"{path}: {spec.name} has {t.numel()} elements, expected {spec.numel}")
+            f.write(tensor_bytes(t.to(spec.dtype)))
+            if after_each is not None:
+                f.flush()
+                after_each(i)
+        f.flush()
+        os.fsync(f.fileno())
+        return f.tell()
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor's bytes sit in a safetensors file."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offset in the file
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class SafetensorsReader:
+    """Random access to a safetensors file through positioned reads (no mmap, no pickle).
+
+    Raises :class:`CheckpointError` naming the file when the header is malformed or a tensor's
+    bytes lie beyond the end of the file (a truncated write).
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        except OSError as e:
+            raise CheckpointError(f"cannot open checkpoint file {self.path}: {e.strerror}") from e
+        try:
+            self.tensors, self.metadata = self._parse()
+        except Exception:
+            os.close(self._fd)
+            raise
+
+    def _parse(self) -> tuple[dict[str, StoredTensor], dict[str, str]]:
+        size = os.fstat(self._fd).st_size
+        head = os.pread(self._fd, 8, 0)
+        if len(head) < 8:
+            raise CheckpointError(f"{self.path} is not a safetensors file (only {size} bytes; truncated?)")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(size - 8, _MAX_HEADER):
+            raise CheckpointError(f"{self.path} is not a valid safetensors file (header length {n}, file "
+                                  f"size {size}): truncated, or not written by zeroshard/safetensors")
+        try:
+            header = json.loads(os.pread(self._fd, n, 8))
+            if not isinstance(header, dict):
+                raise ValueError("header is not a JSON object")
+            meta = header.pop("__metadata__", None) or {}
+            tensors: dict[str, StoredTensor] = {}
+            for name, entry in header.items():
+                b, e = (int(x) for x in entry["data_offsets"])
+                st = StoredTensor(_DTYPES[entry["dtype"]], tuple(int(d) for d in entry["shape"]), 8 + n + b)
+                nbytes = st.numel * torch.empty((), dtype=st.dtype).element_size()
+                if e - b != nbytes or e < b:
+                    raise ValueError(f"tensor {name!r}: byte range {b}..{e} does not match its shape")
+                if 8 + n + e > size:
+                    raise CheckpointError(f"{self.path} is truncated: tensor {name!r} ends at byte {8 + n + e}, "
+                                          f"the file has {size}")
+                tensors[name] = st
+        except CheckpointError:
+            raise
+        except Exception as e:  # malformed JSON, unknown dtype, missing keys
+            raise CheckpointError(f"{self.path} has a malformed safetensors header: {e}") from e
+        return tensors, {str(k): str(v) for k, v in meta.items()}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def info(self, name: str) -> StoredTensor:
+        """Dtype, shape and position of tensor ``name``."""
+        if name not in self.tensors:
+            raise CheckpointError(f"{self.path} has no tensor {name!r}")
+        return self.tensors[name]
+
+    def read(self, name: str, lo: int = 0, hi: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of the flattened tensor ``name`` (all of it by default).
+
+        With ``out`` (a contiguous tensor of the stored dtype and ``hi - lo`` elements) the bytes
+        are read straight into it. Returns a 1-D tensor (``reshape`` it to the stored shape).
+        """
+        st = self.info(name)
+        hi = st.numel if hi is None else hi
+        if not 0 <= lo <= hi <= st.numel:
+            raise CheckpointError(f"{self.path}: range [{lo}, {hi}) outside tensor {name!r} of {st.numel} elements")
+        buf = torch.empty(hi - lo, dtype=st.dtype) if out is None else out
+        if buf.numel():
+            view = buf.view(torch.uint8).numpy().data
+            pos, done = st.begin + lo * buf.element_size(), 0
+            while done < view.nbytes:  # a single read returns at most ~2 GiB on Linux
+                got = os.preadv(self._fd, [view[done:]], pos + done)
+                if got <= 0:
+                    raise CheckpointError(f"{self.path}: short read of {name!r} ({done} of {view.nbytes} bytes)")
+                done += got
+        return buf
+
+    def close(self) -> None:
+        """Close the file."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> SafetensorsReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

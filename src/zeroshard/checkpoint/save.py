@@ -1,0 +1,193 @@
+"""``engine.save_checkpoint``: every rank writes its shard in parallel, rank 0 publishes.
+
+Sequence (see :mod:`zeroshard.checkpoint.atomic` for why each step is crash-safe):
+
+1. All ranks agree on the tag and a random nonce; rank 0 creates ``save_dir/.tmp-<tag>-<nonce>``.
+2. Every rank streams its pieces (fp32 masters, optimizer state) and RNG state into its own
+   ``rank-*.safetensors`` and fsyncs it; rank 0 also writes ``extra.safetensors``.
+3. The file sizes are gathered (a barrier); rank 0 writes ``zeroshard.json`` and then the
+   ``COMPLETE`` marker, renames the directory to ``save_dir/<tag>``, and replaces ``latest``.
+4. Rank 0's outcome is broadcast, so every rank returns (or raises) together.
+
+A failure on any rank (a full disk, an unserializable ``client_state``) is raised on every rank
+instead of leaving the others blocked in a collective; the temporary directory is removed. A
+successful save also removes what interrupted saves of the same tag left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zeroshard import __version__
+from zeroshard.checkpoint import collect
+from zeroshard.checkpoint.agree import together as _together
+from zeroshard.checkpoint.atomic import TMP_PREFIX, fault_point, publish_dir, write_file_atomic, write_file_durable
+from zeroshard.checkpoint.jsonable import TensorTable, encode
+from zeroshard.checkpoint.metadata import EXTRA_FILE, CheckpointMeta, ParamMeta, Piece, master_key, optim_key, rank_file
+from zeroshard.checkpoint.paths import LATEST_FILE, MARKER_FILE, META_FILE, marker_text
+from zeroshard.checkpoint.rng import capture_rng
+from zeroshard.checkpoint.safetensors_io import TensorSpec, write_safetensors
+from zeroshard.comm import collectives as C
+from zeroshard.errors import CheckpointError
+
+logger = logging.getLogger("zeroshard")
+
+
+def _check_tag(tag: str) -> str:
+    if not tag or "/" in tag or "\\" in tag or tag.startswith(".") or tag == LATEST_FILE:
+        raise CheckpointError(f"invalid checkpoint tag {tag!r}: use a plain name such as 'global_step100'")
+    return tag
+
+
+def _nonce(group: dist.ProcessGroup | None) -> str:
+    value = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
+    C.broadcast(value, src=0, group=group)  # every rank uses rank 0's
+    return f"{int(value.item()) & 0xFFFFFFFF:08x}"
+
+
+def _write_rank_file(path: Path, trained: list[collect.TrainedParam], kinds: dict[str, dict[str, str]],
+                     optimizer: torch.optim.Optimizer, rank: int, world: int) -> int:
+    sources: dict[str, torch.Tensor] = {}
+    for tp in trained:
+        s, e = tp.save_range(rank, world)
+        if e <= s:
+            continue
+        sources[master_key(tp.name)] = tp.master.detach()[s - tp.lo : e - tp.lo]
+        state = optimizer.state.get(tp.master, {})
+        for key, kind in kinds[tp.name].items():
+            sources[optim_key(key, tp.name)] = collect.state_piece(state[key], kind, tp.lo, s, e)
+    rng_tensors, rng_record = capture_rng()
+    sources.update(rng_tensors)
+    specs = [TensorSpec(k, t.dtype, tuple(t.shape)) for k, t in sources.items()]
+    meta = {"format": "zeroshard", "rank": str(rank), "world_size": str(world), "rng": json.dumps(rng_record)}
+    return write_safetensors(path, specs, lambda spec: sources[spec.name], meta,
+                             after_each=lambda i: fault_point("shard_partial", rank) if i == 0 else None)
+
+
+def _write_extra(path: Path, layout: dict[str, Any], table: TensorTable) -> int:
+    sources = {f"buffer/{k}": v for k, v in layout["buffers"].items()}
+    sources.update({f"frozen/{k}": v for k, v in layout["frozen"].items()})
+    sources.update(table.tensors)
+    specs = [TensorSpec(k, t.dtype, tuple(t.shape)) for k, t in sources.items()]
+    return write_safetensors(path, specs, lambda spec: sources[spec.name], {"format": "zeroshard"})
+
+
+def _describe(engine: Any, tag: str, world: int, trained: list[collect.TrainedParam],
+              kinds: dict[str, dict[str, str]], layout: dict[str, Any], client_state: Any,
+              table: TensorTable) -> CheckpointMeta:
+    """Rank 0: everything but the file sizes, JSON-encoded (user input is validated here)."""
+    opt = engine.optimizer.optimizer
+    params = [ParamMeta(tp.name, list(tp.shape), tp.group,
+                        [Piece(rank_file(r, world), s, e) for r, s, e in tp.pieces(world)], kinds[tp.name])
+              for tp in trained]
+    sched = engine.lr_scheduler
+    loader: Any = getattr(engine, "training_dataloader", None)
+    scaler = engine.optimizer.scaler
+    return CheckpointMeta(
+        tag=tag, world_size=world, zero_stage=int(engine.zero_optimization_stage()),
+        compute_dtype=str(engine.policy.param_dtype).replace("torch.", ""), params=params, files={},
+        module_keys=layout["module_keys"], aliases=layout["aliases"], buffers=list(layout["buffers"]),
+        frozen=list(layout["frozen"]), optimizer_type=type(opt).__name__,
+        param_groups=encode(collect.group_options(opt), table, "optimizer param_groups"),
+        lr_scheduler=None if sched is None else encode(sched.state_dict(), table, "lr_scheduler.state_dict()"),
+        loss_scaler={"dynamic": bool(getattr(scaler, "dynamic", False)), **scaler.state_dict()},
+        counters={"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                  "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps},
+        dataloader=loader.state_dict() if hasattr(loader, "state_dict") else None,
+        client_state=encode(client_state, table, "client_state"),
+        versions={"zeroshard": __version__, "torch": torch.__version__},
+    )
+
+
+def save_checkpoint(engine: Any, save_dir: str | Path, tag: str | None = None, client_state: Any = None,
+                    save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+    """Save ``engine`` to ``save_dir/<tag>`` (collective: call on every rank). See the module doc."""
+    group = engine.group
+    rank, world = C.rank(group), C.world_size(group)
+    tag = _check_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
+    C.check_same_across_ranks([tag, str(save_dir)], group, "save_checkpoint tag and directory")
+    if engine.micro_steps % engine.gradient_accumulation_steps():
+        logger.warning("saving checkpoint %s in the middle of a gradient accumulation window: the gradients "
+                       "accumulated so far are not saved", tag)
+    root = Path(save_dir)
+    tmp = root / f"{TMP_PREFIX}{tag}-{_nonce(group)}"
+    opt = engine.optimizer.optimizer
+    trained = collect.trained_params(engine)
+    table = TensorTable("meta/")
+
+    def prepare() -> tuple[dict[str, dict[str, str]], dict[str, Any], CheckpointMeta | None]:
+        kinds = {tp.name: collect.state_kinds(opt.state.get(tp.master, {}), tp.master, tp.name) for tp in trained}
+        if rank != 0:
+            return kinds, {}, None
+        layout = collect.module_layout(engine.module, trained)
+        if exclude_frozen_parameters:
+            layout["frozen"] = {}
+        meta = _describe(engine, tag, world, trained, kinds, layout, {} if client_state is None else client_state,
+                         table)
+        root.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+        return kinds, layout, meta
+
+    prepared = _together(prepare, group, "preparing the checkpoint")
+    assert prepared is not None
+    kinds, layout, meta = prepared
+    fault_point("begin", rank)
+    try:
+        def write() -> int:
+            size = _write_rank_file(tmp / rank_file(rank, world), trained, kinds, opt, rank, world)
+            if rank == 0:
+                assert meta is not None
+                meta.files[EXTRA_FILE] = _write_extra(tmp / EXTRA_FILE, layout, table)
+            fault_point("shard_written", rank)
+            return size
+
+        sizes = torch.zeros(world, dtype=torch.int64)
+        sizes[rank] = int(_together(write, group, "writing the shard files") or 0)
+        C.all_reduce(sizes, group, async_op=False)
+
+        def publish() -> None:
+            if meta is not None:
+                meta.files.update({rank_file(r, world): int(sizes[r]) for r in range(world)})
+                _publish(meta, tmp, root, tag, save_latest)
+
+        _together(publish, group, "publishing the checkpoint")
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if rank == 0:
+        logger.info("saved checkpoint %s", root / tag)
+    return True
+
+
+def _publish(meta: CheckpointMeta, tmp: Path, root: Path, tag: str, save_latest: bool) -> None:
+    """Rank 0: metadata, then the marker, then the rename, then ``latest``; each durable before the next."""
+    raw = meta.to_bytes()
+    write_file_durable(tmp / META_FILE, raw)
+    fault_point("meta_written", 0)
+    write_file_durable(tmp / MARKER_FILE, marker_text(raw).encode())
+    fault_point("marker_written", 0)
+    publish_dir(tmp, root / tag)
+    fault_point("renamed", 0)
+    _remove_leftovers(root, tag)
+    if save_latest:
+        write_file_atomic(root / LATEST_FILE, tag.encode(), rank=0, fault="latest_partial")
+    fault_point("done", 0)
+
+
+def _remove_leftovers(root: Path, tag: str) -> None:
+    """Delete what earlier interrupted saves of this tag (and of ``latest``) left behind."""
+    for stale in root.glob(f"{TMP_PREFIX}{tag}-*"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+    for stale in root.glob(f"{TMP_PREFIX}{LATEST_FILE}-*"):
+        if stale.is_file():
+            stale.unlink(missing_ok=True)
