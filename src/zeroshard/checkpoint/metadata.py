@@ -23,6 +23,7 @@ piece) or ``number`` (a Python number, stored like a scalar).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,10 +72,7 @@ class ParamMeta:
     @property
     def numel(self) -> int:
         """Elements of the full parameter."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass

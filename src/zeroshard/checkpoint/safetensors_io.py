@@ -12,6 +12,7 @@ any file that library writes. Nothing here unpickles: the header is JSON.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Callable, Sequence
@@ -53,10 +54,7 @@ class TensorSpec:
     @property
     def numel(self) -> int:
         """Number of elements."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -126,10 +124,7 @@ class StoredTensor:
     @property
     def numel(self) -> int:
         """Number of elements."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 class SafetensorsReader:

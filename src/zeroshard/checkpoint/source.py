@@ -11,6 +11,7 @@ implementations: :class:`ZeroshardSource` here and
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,10 +41,7 @@ class SourceParam:
     @property
     def numel(self) -> int:
         """Elements of the full parameter."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 def fill_range(pieces: Sequence[tuple[int, int, Any]], lo: int, hi: int, dtype: torch.dtype,
