@@ -1,0 +1,35 @@
+"""zeroshard, driven exactly like DeepSpeed (``import zeroshard as deepspeed``)."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.spec import Job
+from benchmarks.systems.base import NotAvailable, deepspeed_config
+from benchmarks.systems.engine_loop import EngineLoop
+
+PERSISTENT = ("parameters", "gradients", "master_weights", "optimizer_states")
+"""``memory_breakdown()`` entries that persist between steps (model state). Others, such as stage 3's
+``gathered_peak`` (parameters gathered transiently for compute), are kept in the JSON only."""
+
+
+def import_library() -> None:
+    """``import zeroshard`` (what a user's script pays before ``initialize``)."""
+    import zeroshard  # noqa: F401
+
+
+def build(model: torch.nn.Module, job: Job, device: torch.device) -> EngineLoop:
+    """``zeroshard.initialize`` with the shared config; a not-yet-supported feature is reported."""
+    import zeroshard
+
+    try:
+        engine, _, _, _ = zeroshard.initialize(model=model, config=deepspeed_config(job))
+    except zeroshard.NotYetSupportedError as exc:
+        raise NotAvailable(f"not yet available: {exc}") from exc
+
+    def breakdown() -> dict[str, int]:
+        mb = engine.memory_breakdown()
+        persistent = sum(v for k, v in mb.items() if k in PERSISTENT)
+        return {"total": persistent, **{f"zeroshard_{k}": v for k, v in mb.items()}}
+
+    return EngineLoop(engine, breakdown)
