@@ -61,12 +61,17 @@ def _panel(ax: Any, rows: list[dict[str, Any]], key: str, title: str) -> None:
             pos = x - 0.4 + width * (k + 0.5)
             val = _value(r, key)
             ax.bar(pos, val, width * 0.92, color=COLORS[r["system"]])
-            ax.text(pos, val, f"{val:.2f}" if key == "step_s" else f"{val:,.0f}", ha="center", va="bottom",
+            ax.text(pos, val, f"{val:.3g}" if key == "step_s" else f"{val:,.0f}", ha="center", va="bottom",
                     fontsize=7.5, rotation=90 if len(rs) > 3 else 0)
             if key == "state_bytes":
                 f = r["formula_bytes"] / MiB
                 ax.plot([pos - width / 2, pos + width / 2], [f, f], color="black", lw=1.5)
+        refs = [r["step_s"] / r["vs_ddp"] for r in rs if key == "step_s" and r.get("vs_ddp")]
+        if refs:  # DDP measured alongside this group (paired) or alone: where 1.00x DDP lies
+            ref = sorted(refs)[len(refs) // 2]
+            ax.plot([x - 0.42, x + 0.42], [ref, ref], color=COLORS["ddp"], lw=1.2, ls="--")
     ax.set_xticks(range(len(variants)), [f"stage {v}" for v in variants])
-    ax.set_title(title + (" — black line: ZeRO formula" if key == "state_bytes" else ""), fontsize=10)
+    note = {"state_bytes": " — black: ZeRO formula", "step_s": " — dashed: DDP in the same run"}.get(key, "")
+    ax.set_title(title + note, fontsize=10)
     ax.margins(y=0.18)
     ax.grid(axis="y", alpha=0.3)

@@ -54,9 +54,12 @@ def _use_paired(r: dict[str, Any]) -> None:
     if not pr:
         r["timing"] = "alone"
         return
+    keys = ("step_s", "step_s_min", "tokens_per_s", "final_loss", "vs_deepspeed", "vs_ddp", "vs_fsdp2", "phases_s")
+    if r.get("timing") == "paired":  # re-rendering derived rows: start again from the ordinary job's numbers
+        for key in keys:
+            r[key] = r[f"alone_{key}"]
     r["timing"] = "paired"
-    for key in ("step_s", "step_s_min", "tokens_per_s", "final_loss", "vs_deepspeed", "vs_ddp", "vs_fsdp2",
-                "phases_s"):
+    for key in keys:
         r[f"alone_{key}"] = r.get(key)
     if pr.get("phases_s"):
         r["phases_s"] = pr["phases_s"]

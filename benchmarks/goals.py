@@ -17,8 +17,7 @@ def _cpu(ratio: float | None) -> str:
 
 
 def _ratio_goal(name: str, rows: list[dict[str, Any]], key: str, limit: float) -> Goal:
-    vals = [(r, r.get(key)) for r in rows]
-    vals = [(r, v) for r, v in vals if v is not None]
+    vals = [(r, float(r[key])) for r in rows if r.get(key) is not None]
     if not vals:
         return name, "not measured", None
     text = ", ".join(f"{r['size']} s{r['variant']}: {v:.2f}x" + _cpu(r.get(f"{key}_cpu")) for r, v in vals)

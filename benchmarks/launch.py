@@ -34,7 +34,8 @@ def _free_port() -> int:
 def _env(job: Job, rank: int, port: int) -> dict[str, str]:
     env = dict(os.environ)
     threads = str(max(1, (os.cpu_count() or 1) // job.world_size)) if job.device == "cpu" else "4"
-    path = [str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    # This checkout's zeroshard, whatever `pip install -e` points at (and the repository root for `benchmarks`).
+    path = [str(REPO / "src"), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(job.world_size),
                LOCAL_WORLD_SIZE=str(job.world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                OMP_NUM_THREADS=threads, PYTHONPATH=os.pathsep.join(path), PYTHONUNBUFFERED="1",
@@ -140,6 +141,7 @@ def merge(job: Job, ranks: list[dict[str, Any] | None]) -> dict[str, Any]:
         "initialize_s": max(r["initialize_s"] for r in rs),
         "import_torch_dynamo_s": max(r["import_torch_dynamo_s"] for r in rs),
         "compiled_by_initialize": rs[0]["compiled_by_initialize"],
+        "zeroshard_from": rs[0].get("zeroshard_from"),
         "compiled": rs[0]["compiled"],
     }
     if "phases_s" in rs[0]:

@@ -6,6 +6,7 @@ import datetime as _dt
 import importlib.metadata as md
 import os
 import platform
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,13 @@ def _version(dist: str) -> str:
     try:
         return md.version(dist)
     except md.PackageNotFoundError:
-        return "not installed"
+        pass
+    if dist == "zeroshard":  # run from a checkout that is not pip-installed (gpu.sh sets PYTHONPATH)
+        init = Path(__file__).resolve().parent.parent / "src" / "zeroshard" / "__init__.py"
+        found = re.search(r'^__version__ = "([^"]+)"', init.read_text(), re.M) if init.exists() else None
+        if found:
+            return f"{found.group(1)} (from src/)"
+    return "not installed"
 
 
 def _cpu_model() -> str:

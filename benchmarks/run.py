@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     """Plan, run every job with a hard deadline, write the reports. Exit 1 if a zeroshard or paired job
     failed (a peer that fails, DeepSpeed on CPU say, is recorded with its reason and the run goes on)."""
     args = parse_args(argv)
+    machine = describe()  # before the run: the tree being measured
     jobs, paired_jobs, missing = plan(args)
     for m in missing:
         print(f"MISSING {m['system']}: {m['reason']}", flush=True)
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     results = [_pool(run.done[j.key]) for j in jobs] + missing
     attach_paired(results, paired)
     command = "python benchmarks/run.py" + ("" if not sys.argv[1:] else " " + shlex.join(sys.argv[1:]))
-    meta = {**describe(), "command": command, "elapsed_s": round(time.monotonic() - run.start, 1),
+    meta = {**machine, "command": command, "elapsed_s": round(time.monotonic() - run.start, 1),
             "device": args.device, "paired": [{k: v for k, v in p.items() if k != "job"} for p in paired]}
     for p in write_reports(results, meta, args.out, args.markdown):
         print(f"wrote {p}")

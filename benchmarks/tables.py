@@ -27,7 +27,9 @@ def _order(r: dict[str, Any]) -> tuple[int, str, int]:
 
 
 def _speed_table(rows: list[dict[str, Any]], cuda: bool) -> list[str]:
-    cols = ["stage", "system", "step (s)", "min (s)", "tokens/s", "× DeepSpeed", "× DDP", "× FSDP2"]
+    paired = any(r.get("timing") == "paired" for r in rows)
+    cols = ["stage", "system", "step (s)", "min (s)"] + (["alone (s)"] if paired else [])
+    cols += ["tokens/s", "× DeepSpeed", "× DDP", "× FSDP2"]
     cols += ["MFU"] if cuda else ["CPU s/step", "fwd / bwd / opt (s)"]
     cols += ["final loss"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -36,8 +38,11 @@ def _speed_table(rows: list[dict[str, Any]], cuda: bool) -> list[str]:
         if r["status"] != "ok":
             lines.append("| " + " | ".join([r["variant"], name, f"*{r['status']}*"] + [""] * (len(cols) - 3)) + " |")
             continue
-        cells = [r["variant"], name, f"{r['step_s']:.3f}", f"{r['step_s_min']:.3f}", f"{r['tokens_per_s']:,.0f}",
-                 _f(r.get("vs_deepspeed"), ".2f"), _f(r.get("vs_ddp"), ".2f"), _f(r.get("vs_fsdp2"), ".2f")]
+        cells = [r["variant"], name, f"{r['step_s']:.3f}", f"{r['step_s_min']:.3f}"]
+        if paired:
+            cells.append(_f(r.get("alone_step_s"), ".3f"))
+        cells += [f"{r['tokens_per_s']:,.0f}", _f(r.get("vs_deepspeed"), ".2f"), _f(r.get("vs_ddp"), ".2f"),
+                  _f(r.get("vs_fsdp2"), ".2f")]
         if cuda:
             cells.append(_f(r.get("mfu"), ".1%"))
         else:
@@ -76,7 +81,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], chart: str, chart
         f"# Benchmark results ({meta['device'].upper()})", "",
         f"- Machine: {hw}, {meta['memory_gib']} GiB RAM, {meta['os']}, Python {meta['python']}",
         f"- torch {meta['torch']}, DeepSpeed {meta['deepspeed']}, zeroshard {meta['zeroshard']} "
-        f"(git {meta.get('zeroshard_git', 'unknown')})",
+        f"(git {meta.get('zeroshard_git', 'unknown')})" + _imported_from(rows),
         f"- Date: {meta['date']}; the whole run took {meta['elapsed_s'] / 60:.1f} min",
         _load_line(rows, meta),
         f"- Command: `{meta['command']}`",
@@ -84,9 +89,10 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], chart: str, chart
     if any(r.get("timing") == "paired" for r in ok):
         rounds = max(r["paired"]["rounds"] for r in ok if r.get("paired"))
         out.append("- Step times are **paired**: the systems of each stage (and DDP) train side by side in the "
-                   f"same two processes, one step each in turn for {rounds} measured rounds, so they see the same "
-                   "machine load; ratios are medians of per-round ratios. CPU s/step comes from each system's "
-                   "own short run (as do start-up and memory).")
+                   f"same rank processes, one step each in turn for {rounds} measured rounds, so they see the same "
+                   "machine load; ratios are medians of per-round ratios. **alone** is the median step of each "
+                   "system's own short run (fresh processes, the only model in memory), which also gives CPU "
+                   "s/step, start-up and memory.")
     if ok:
         job = ok[0]["job"]
         wl = job["workload"]
@@ -113,6 +119,11 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], chart: str, chart
         out.append(f"| {goal} | {text} | {'n/a' if met is None else ('yes' if met else '**no**')} |")
     out += ["", NOTES.format(peak=PEAK_BF16_FLOPS / 1e12)]
     return "\n".join(out) + "\n"
+
+
+def _imported_from(rows: list[dict[str, Any]]) -> str:
+    where = sorted({r["zeroshard_from"] for r in rows if r.get("zeroshard_from")})
+    return f", imported from {', '.join(where)}" if where else ""
 
 
 def _load_line(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:

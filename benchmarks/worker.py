@@ -56,6 +56,8 @@ def main() -> int:
         result["status"] = "not available" if isinstance(exc, NotAvailable) else "failed"
         result["reason"] = f"{type(exc).__name__}: {exc}".strip()[:600]
         traceback.print_exc()
+    if "zeroshard" in sys.modules:  # which checkout was measured
+        result["zeroshard_from"] = str(Path(sys.modules["zeroshard"].__file__ or "").parent)
     try:
         from benchmarks.workload import compile_evidence
 
@@ -73,7 +75,7 @@ def _run(job_json: str, rank: int, result: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     from benchmarks.profiling import profiled_call
-    from benchmarks.spec import Job
+    from benchmarks.spec import SIZES, Job
     from benchmarks.systems import get_system
     from benchmarks.workload import batches, build_model, compile_evidence, numel_of, peak_rss_bytes
 
@@ -100,7 +102,7 @@ def _run(job_json: str, rank: int, result: dict[str, Any]) -> None:
     result["numel"] = numel_of(model)
     steps = job.workload.warmup_steps + job.workload.measure_steps
     data = [[(x.to(device), y.to(device)) for x, y in step]
-            for step in batches(job, rank, steps, model.config.vocab_size)]
+            for step in batches(job, rank, steps, SIZES[job.size].vocab_size)]
 
     t = time.perf_counter()
     trainer = profiled_call(lambda: get_system(job.system).build(model, job, device), rank, "initialize")
