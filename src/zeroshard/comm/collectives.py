@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,12 +34,37 @@ def rank(group: ProcessGroup | None) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
+class _AllReducedChunk:
+    """A pending in-place all-reduce whose ``wait()`` also copies this rank's chunk out."""
+
+    def __init__(self, work: dist.Work | None, full: torch.Tensor, out: torch.Tensor, rank: int) -> None:
+        self.work, self.full, self.out, self.rank = work, full, out, rank
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+        self.out.copy_(self.full.view(-1, self.out.numel())[self.rank])
+        return True
+
+
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None,
-                   async_op: bool = True) -> dist.Work | None:
-    """Sum ``inp`` (``world * out.numel()`` elements) across ranks; rank r receives chunk r."""
+                   async_op: bool = True, scratch_input: bool = False) -> Any:
+    """Sum ``inp`` (``world * out.numel()`` elements) across ranks; rank r receives chunk r.
+
+    With ``scratch_input`` the caller no longer needs ``inp``: on gloo, whose reduce-scatter is a
+    clone of the input plus an all-reduce plus a copy, an in-place all-reduce and one copy of the
+    own chunk do the same for less (benchmarks/PROFILE.md). NCCL keeps the real reduce-scatter.
+    """
     if world_size(group) == 1:
         out.copy_(inp)
         return None
+    if scratch_input and dist.get_backend(group) == "gloo":
+        work = dist.all_reduce(inp, group=group, async_op=async_op)
+        pending = _AllReducedChunk(work, inp, out, rank(group))
+        if not async_op:
+            pending.wait()
+            return None
+        return pending
     return _reduce_scatter_flat(out, inp, group=group, async_op=async_op)
 
 

@@ -224,7 +224,8 @@ class BoundaryReduceScatterSync(_FullAccumulatorSync):
         rd = self.policy.reduce_dtype
         wire_in = region if region.dtype == rd else region.to(rd)
         wire_out = out if out.dtype == rd else torch.empty(bucket.numel, dtype=rd, device=self.device)
-        work = C.reduce_scatter(wire_out, wire_in, self.group)
+        # The accumulator region is zeroed after the step, so the collective may use it as scratch.
+        work = C.reduce_scatter(wire_out, wire_in, self.group, scratch_input=True)
 
         def finalize() -> None:
             if wire_out is not out:
@@ -268,7 +269,7 @@ class MicroStepReduceScatterSync(GradSync):
     def _launch(self, bucket: Bucket) -> tuple[dist.Work | None, Callable[[], None]]:
         full = self._buffer(bucket)
         out = torch.empty(bucket.numel, dtype=self.policy.reduce_dtype, device=self.device)
-        work = C.reduce_scatter(out, full, self.group)
+        work = C.reduce_scatter(out, full, self.group, scratch_input=True)  # the buffer is dropped after
         acc = self.acc[bucket.start : bucket.start + bucket.numel]
 
         def finalize() -> None:
