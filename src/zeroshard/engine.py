@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm import collectives as C
+from zeroshard.comm.groups import local_rank
 from zeroshard.monitor.timers import WallClockTimers
 from zeroshard.precision import LossScaler, PrecisionPolicy
 from zeroshard.stages import ZeroOptimizer
@@ -41,7 +42,7 @@ class ZeroEngine(torch.nn.Module):
         self.device = next((p.device for p in module.parameters()), torch.device("cpu"))
         self.global_rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = C.world_size(group)
-        self.local_rank = int(__import__("os").environ.get("LOCAL_RANK", "0"))
+        self.local_rank = local_rank()
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0

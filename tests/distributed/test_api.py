@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -228,8 +229,8 @@ def test_plain_python_is_a_world_of_one(tmp_path: Path) -> None:
         "engine.backward(engine(torch.randn(2, 3)).sum()); engine.step()\n"
         "print('world', engine.world_size, 'steps', engine.global_steps)\n"
     )
-    env = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                                            "MASTER_PORT", "LOCAL_RANK")}
+    launcher_vars = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+    env = {k: v for k, v in os.environ.items() if k not in launcher_vars}
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     assert "world 1 steps 1" in done.stdout

@@ -4,6 +4,9 @@ GatheredParameters, state dicts and zero.Init — each checked against plain PyT
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 import torch.nn.functional as F
 from harness import run_distributed
@@ -241,7 +244,7 @@ def test_model_larger_than_budget_builds_and_trains() -> None:
 
 
 def _llama():
-    transformers = __import__("pytest").importorskip("transformers")
+    transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(
         vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
@@ -302,7 +305,7 @@ def save16_worker(rank: int, world: int, out_dir: str) -> list[str]:
            "optimizer": {"type": "SGD", "params": {"lr": 0.0}}}
     engine, _, _, _ = zeroshard.initialize(model=model, config=cfg)
     engine.save_16bit_model(out_dir, "pytorch_model.bin")
-    return sorted(p.name for p in __import__("pathlib").Path(out_dir).iterdir())
+    return sorted(p.name for p in Path(out_dir).iterdir())
 
 
 def test_save_16bit_model_streams_full_weights(tmp_path) -> None:
