@@ -30,6 +30,9 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, workdir: str, arg
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, Path(workdir) / f"result_{rank}.pt")
+        # Tear down together: a rank that closes its gloo connections while a peer still uses them
+        # can abort the peer ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
