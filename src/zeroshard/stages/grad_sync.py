@@ -59,7 +59,8 @@ class GradSync:
         self._where: dict[torch.nn.Parameter, tuple[Bucket, int]] = {
             p: (b, i) for b in buckets for i, p in enumerate(b.params)
         }
-        self._index = {p: k for k, p in enumerate(self._where)}
+        self._params = list(self._where)
+        self._index = {p: k for k, p in enumerate(self._params)}
         self._seen: set[int] = set()  # parameters that received a gradient in this window
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._pending: list[_Pending] = []
@@ -133,8 +134,7 @@ class GradSync:
         if self._seen:
             used[sorted(self._seen)] = 1
         C.all_reduce(used, self.group, async_op=False, op=dist.ReduceOp.MAX)
-        params = list(self._index)
-        return [params[k] for k in torch.nonzero(used == 0).flatten().tolist()]
+        return [self._params[k] for k in torch.nonzero(used == 0).flatten().tolist()]
 
     def remove_hooks(self) -> None:
         """Detach from the parameters (the engine is being torn down)."""
