@@ -94,11 +94,12 @@ class ZeroEngine(torch.nn.Module):
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds: ``parameters`` (module tensors materialized now), ``gradients``,
         ``master_weights``, ``optimizer_states``, under ZeRO-3 ``parameter_shard`` (16-bit shard
-        at rest) and ``gathered_peak`` (most gathered parameter bytes seen at once), and ``total``
-        (the at-rest sum, peaks excluded)."""
+        at rest) and ``gathered_peak`` (most gathered parameter bytes seen at once),
+        ``comm_workspace`` (reused communication buffers, bounded by the bucket sizes), and
+        ``total`` (the model state: peaks and workspace excluded)."""
         params = sum(p.numel() * p.element_size() for p in self.module.parameters())
         out = {"parameters": params, **self.optimizer.memory_breakdown()}
-        out["total"] = sum(v for k, v in out.items() if not k.endswith("_peak"))
+        out["total"] = sum(v for k, v in out.items() if not k.endswith(("_peak", "_workspace")))
         return out
 
     def gathered(self, enabled: bool = True) -> Any:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,38 +33,43 @@ def rank(group: ProcessGroup | None) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
-class _AllReducedChunk:
-    """A pending in-place all-reduce whose ``wait()`` also copies this rank's chunk out."""
+class ReducedRow:
+    """A pending reduction of a ``[world, n]`` buffer whose :meth:`wait` returns this rank's row."""
 
-    def __init__(self, work: dist.Work | None, full: torch.Tensor, out: torch.Tensor, rank: int) -> None:
-        self.work, self.full, self.out, self.rank = work, full, out, rank
+    def __init__(self, work: dist.Work | None, row: torch.Tensor) -> None:
+        self.work, self.row = work, row
 
-    def wait(self) -> bool:
+    def wait(self) -> torch.Tensor:
+        """Block until the collective is done; this rank's summed row (``n`` elements)."""
         if self.work is not None:
             self.work.wait()
-        self.out.copy_(self.full.view(-1, self.out.numel())[self.rank])
-        return True
+        return self.row
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None,
-                   async_op: bool = True, scratch_input: bool = False) -> Any:
-    """Sum ``inp`` (``world * out.numel()`` elements) across ranks; rank r receives chunk r.
-
-    With ``scratch_input`` the caller no longer needs ``inp``: on gloo, whose reduce-scatter is a
-    clone of the input plus an all-reduce plus a copy, an in-place all-reduce and one copy of the
-    own chunk do the same for less (benchmarks/PROFILE.md). NCCL keeps the real reduce-scatter.
-    """
+                   async_op: bool = True) -> dist.Work | None:
+    """Sum ``inp`` (``world * out.numel()`` elements) across ranks; rank r receives chunk r."""
     if world_size(group) == 1:
         out.copy_(inp)
         return None
-    if scratch_input and dist.get_backend(group) == "gloo":
-        work = dist.all_reduce(inp, group=group, async_op=async_op)
-        pending = _AllReducedChunk(work, inp, out, rank(group))
-        if not async_op:
-            pending.wait()
-            return None
-        return pending
     return _reduce_scatter_flat(out, inp, group=group, async_op=async_op)
+
+
+def reduce_scatter_rows(buf: torch.Tensor, group: ProcessGroup | None) -> ReducedRow:
+    """Reduce-scatter a scratch buffer laid out ``[world, n]``; the caller gives ``buf`` up.
+
+    On gloo, whose reduce-scatter is a clone of the input plus an all-reduce plus a copy, an
+    in-place all-reduce leaves the summed row inside ``buf`` with no copy at all
+    (benchmarks/PROFILE.md). Other backends (NCCL) run a real reduce-scatter into a new row.
+    """
+    n = world_size(group)
+    rows = buf.view(n, -1)
+    if n == 1:
+        return ReducedRow(None, rows[0])
+    if dist.get_backend(group) == "gloo":
+        return ReducedRow(dist.all_reduce(buf, group=group, async_op=True), rows[rank(group)])
+    out = torch.empty(rows.shape[1], dtype=buf.dtype, device=buf.device)
+    return ReducedRow(_reduce_scatter_flat(out, buf, group=group, async_op=True), out)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None,

@@ -129,7 +129,8 @@ def scatter_into_rows(rows: torch.Tensor, flat: torch.Tensor, accumulate: bool =
     """Write (or add) a flat tensor into its ``[world, shard_numel]`` column block, row-major.
 
     ``rows`` is a (possibly strided) ``[world, k]`` view; ``flat`` has ``numel <= world * k``.
-    Padding slots are left untouched, so a zeroed buffer keeps zero padding.
+    Writing also zeroes the padding slots, so a reused (not zero-filled) buffer holds exactly this
+    tensor; adding leaves them as they are (zero, since the first write of a window copies).
     """
     k = rows.shape[1]
     n = flat.numel()
@@ -141,13 +142,23 @@ def scatter_into_rows(rows: torch.Tensor, flat: torch.Tensor, accumulate: bool =
         op(rows[:full], flat[: full * k].view(full, k))
     if rem:
         op(rows[full, :rem], flat[full * k :])
+    if not accumulate and full < rows.shape[0]:
+        rows[full, rem:].zero_()
+        rows[full + 1 :].zero_()
 
 
-def gather_from_rows(rows: torch.Tensor, flat: torch.Tensor) -> None:
-    """Inverse of :func:`scatter_into_rows`: read the real elements of a column block into ``flat``."""
+def gather_from_rows(rows: torch.Tensor, flat: torch.Tensor, skip_row: int | None = None) -> None:
+    """Inverse of :func:`scatter_into_rows`: read the real elements of a column block into ``flat``.
+
+    ``skip_row`` leaves that rank's elements of ``flat`` as they are (they already hold them).
+    """
     k = rows.shape[1]
     n = flat.numel()
     if k == 0:
+        return
+    if skip_row is not None:
+        gather_from_rows(rows[:skip_row], flat[: min(skip_row * k, n)])
+        gather_from_rows(rows[skip_row + 1 :], flat[min((skip_row + 1) * k, n) :])
         return
     full, rem = divmod(n, k)
     if full:

@@ -35,7 +35,11 @@ from zeroshard.comm import collectives as C
 from zeroshard.partition import Bucket, scatter_into_rows
 from zeroshard.precision import PrecisionPolicy
 
-_Pending = tuple[Bucket, "dist.Work | None", Callable[[], None]]
+#: Stage 2/3 bucket buffers kept for reuse; a bucket that finds none free waits for the oldest
+#: collective in flight rather than allocating (DeepSpeed keeps two such buffers, DDP one per bucket).
+MAX_BUFFERS = 3
+
+_Pending = tuple[Bucket, Callable[[], None]]
 
 
 class GradSync:
@@ -55,6 +59,8 @@ class GradSync:
         self.device = device
         self.overlap_comm = overlap_comm
         self.layout_world = buckets[0].layouts[0].world if buckets and buckets[0].layouts else 1
+        #: this rank's row in the ``[layout_world, bucket.numel]`` layout
+        self.row = C.rank(group) if self.layout_world > 1 else 0
         self.shard_numel = sum(b.numel for b in buckets)
         self._where: dict[torch.nn.Parameter, tuple[Bucket, int]] = {
             p: (b, i) for b in buckets for i, p in enumerate(b.params)
@@ -84,9 +90,10 @@ class GradSync:
         grad = p.grad
         if grad is None:
             return
-        self._write(bucket, i, grad.detach().reshape(-1))
+        k = self._index[p]  # type: ignore[index]
+        self._write(bucket, i, grad.detach().reshape(-1), first_in_window=k not in self._seen)
         p.grad = None
-        self._seen.add(self._index[p])  # type: ignore[index]
+        self._seen.add(k)
         bucket.ready.add(i)
         complete = len(bucket.ready) == len(bucket.params)
         if complete and self.on_complete is not None:
@@ -103,11 +110,12 @@ class GradSync:
         if self._launches_now():
             for b in self.buckets:
                 self._launch_bucket(b)
-        for _bucket, work, finalize in self._pending:
-            if work is not None:
-                work.wait()
-            finalize()
-        self._pending.clear()
+        while self._pending:
+            self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        _bucket, finalize = self._pending.pop(0)
+        finalize()
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.buckets):
@@ -121,8 +129,17 @@ class GradSync:
         if b.index in self._launched:
             return
         self._launched.add(b.index)
-        work, finalize = self._launch(b)
-        self._pending.append((b, work, finalize))
+        self._pending.append((b, self._launch(b)))
+
+    @staticmethod
+    def _zero_unwritten(rows: torch.Tensor, bucket: Bucket, written: Callable[[int], bool]) -> None:
+        """Zero the column blocks of ``bucket``'s parameters that received no gradient.
+
+        Buffers are reused, not zero-filled, so a parameter that was not written holds stale values.
+        """
+        for i, (off, layout) in enumerate(zip(bucket.offsets, bucket.layouts)):
+            if not written(i):
+                rows[:, off : off + layout.shard_numel].zero_()
 
     def unused_params(self) -> list[torch.nn.Parameter]:
         """Parameters that no rank produced a gradient for in this accumulation window.
@@ -147,14 +164,16 @@ class GradSync:
         """Whether collectives are issued in this micro-step."""
         return self.boundary
 
-    def _write(self, bucket: Bucket, i: int, grad: torch.Tensor) -> None:
+    def _write(self, bucket: Bucket, i: int, grad: torch.Tensor, first_in_window: bool) -> None:
         raise NotImplementedError
 
-    def _launch(self, bucket: Bucket) -> tuple[dist.Work | None, Callable[[], None]]:
+    def _launch(self, bucket: Bucket) -> Callable[[], None]:
+        """Start ``bucket``'s collective; returns what waits for it and uses the result."""
         raise NotImplementedError
 
-    def shard_grads(self) -> torch.Tensor:
-        """This rank's averaged gradient shard, flat (``shard_numel`` elements), after the boundary."""
+    def shard_grads(self) -> list[torch.Tensor]:
+        """This rank's averaged gradient shard after the boundary: one flat tensor per bucket
+        (``bucket.numel`` elements, padding slots zero), in bucket order."""
         raise NotImplementedError
 
     def zero(self) -> None:
@@ -165,26 +184,44 @@ class GradSync:
         """Bytes of gradient state that persist between steps on this rank."""
         raise NotImplementedError
 
+    def workspace_bytes(self) -> int:
+        """Bytes of reusable communication buffers (bounded, not model state)."""
+        return 0
+
 
 class _FullAccumulatorSync(GradSync):
-    """Stages 0 and 1: accumulate full gradients locally; communicate only at the boundary."""
+    """Stages 0 and 1: accumulate full gradients locally; communicate only at the boundary.
+
+    The first gradient of a window is copied into the accumulator and later ones are added, so
+    the accumulator is never zero-filled after a step; parameters that no micro-step wrote are
+    zeroed just before the collective.
+    """
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.acc = torch.zeros(self.layout_world * self.shard_numel, dtype=self.policy.grad_accum_dtype,
                                device=self.device)
+        #: this rank's row of every bucket: where its averaged gradient shard ends up
+        self._own = [self._rows(b)[self.row] for b in self.buckets]
 
     def _rows(self, bucket: Bucket) -> torch.Tensor:
         a = self.layout_world * bucket.start
         return self.acc[a : a + bucket.full_numel].view(self.layout_world, bucket.numel)
 
-    def _write(self, bucket: Bucket, i: int, grad: torch.Tensor) -> None:
+    def _write(self, bucket: Bucket, i: int, grad: torch.Tensor, first_in_window: bool) -> None:
         off, k = bucket.offsets[i], bucket.layouts[i].shard_numel
-        scatter_into_rows(self._rows(bucket)[:, off : off + k], grad, accumulate=True)
+        scatter_into_rows(self._rows(bucket)[:, off : off + k], grad, accumulate=not first_in_window)
 
-    def zero(self) -> None:
-        super().zero()
-        self.acc.zero_()
+    def _wire(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's accumulator region, complete, in the reduction dtype."""
+        rows = self._rows(bucket)
+        self._zero_unwritten(rows, bucket, lambda i: self._index[bucket.params[i]] in self._seen)
+        region = rows.view(-1)
+        rd = self.policy.reduce_dtype
+        return region if region.dtype == rd else region.to(rd)
+
+    def shard_grads(self) -> list[torch.Tensor]:
+        return self._own
 
     def bytes_held(self) -> int:
         return self.acc.numel() * self.acc.element_size()
@@ -193,63 +230,54 @@ class _FullAccumulatorSync(GradSync):
 class AllReduceSync(_FullAccumulatorSync):
     """Stage 0: all-reduce the full accumulator bucket by bucket; every rank keeps everything."""
 
-    def _launch(self, bucket: Bucket) -> tuple[dist.Work | None, Callable[[], None]]:
+    def _launch(self, bucket: Bucket) -> Callable[[], None]:
         region = self._rows(bucket).view(-1)
-        wire = region if region.dtype == self.policy.reduce_dtype else region.to(self.policy.reduce_dtype)
+        wire = self._wire(bucket)
         work = C.all_reduce(wire, self.group)
 
         def finalize() -> None:
+            if work is not None:
+                work.wait()
             if wire is not region:
                 region.copy_(wire)
             region.div_(self.world)
 
-        return work, finalize
-
-    def shard_grads(self) -> torch.Tensor:
-        return self.acc
+        return finalize
 
 
 class BoundaryReduceScatterSync(_FullAccumulatorSync):
-    """Stage 1: reduce-scatter the full accumulator at the boundary into a transient shard."""
+    """Stage 1: reduce-scatter the full accumulator at the boundary; the shard is this rank's row."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)
-        self._shard: torch.Tensor | None = None
-
-    def _launch(self, bucket: Bucket) -> tuple[dist.Work | None, Callable[[], None]]:
-        if self._shard is None:
-            self._shard = torch.empty(self.shard_numel, dtype=self.policy.grad_accum_dtype, device=self.device)
-        out = self._shard[bucket.start : bucket.start + bucket.numel]
-        region = self._rows(bucket).view(-1)
-        rd = self.policy.reduce_dtype
-        wire_in = region if region.dtype == rd else region.to(rd)
-        wire_out = out if out.dtype == rd else torch.empty(bucket.numel, dtype=rd, device=self.device)
-        # The accumulator region is zeroed after the step, so the collective may use it as scratch.
-        work = C.reduce_scatter(wire_out, wire_in, self.group, scratch_input=True)
+    def _launch(self, bucket: Bucket) -> Callable[[], None]:
+        own = self._own[bucket.index]
+        # The accumulator is rewritten from scratch in the next window: the collective may use it.
+        pending = C.reduce_scatter_rows(self._wire(bucket), self.group)
 
         def finalize() -> None:
-            if wire_out is not out:
-                out.copy_(wire_out)
-            out.div_(self.world)
+            row = pending.wait()
+            if row.data_ptr() != own.data_ptr() or row.dtype != own.dtype:
+                own.copy_(row)
+            own.div_(self.world)
 
-        return work, finalize
-
-    def shard_grads(self) -> torch.Tensor:
-        assert self._shard is not None, "shard_grads() before the boundary backward"
-        return self._shard
-
-    def zero(self) -> None:
-        super().zero()
-        self._shard = None
+        return finalize
 
 
 class MicroStepReduceScatterSync(GradSync):
-    """Stage 2: reduce-scatter every micro-step; keep only this rank's accumulated shard."""
+    """Stage 2: reduce-scatter every micro-step; keep only this rank's accumulated shard.
+
+    Full-size gradients live only in a few reused bucket buffers (:data:`MAX_BUFFERS`), filled
+    by the hooks and given back as soon as their collective completes.
+    """
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.acc = torch.zeros(self.shard_numel, dtype=self.policy.grad_accum_dtype, device=self.device)
-        self._buffers: dict[int, torch.Tensor] = {}
+        self._acc_views = [self.acc[b.start : b.start + b.numel] for b in self.buckets]
+        self._capacity = max((b.full_numel for b in self.buckets), default=0)
+        self._buffers: dict[int, torch.Tensor] = {}  # bucket index -> buffer being filled or reduced
+        self._free: list[torch.Tensor] = []
+        self._allocated = 0
+        self._fresh: set[int] = {b.index for b in self.buckets}  # buckets not yet reduced this window
 
     def _launches_now(self) -> bool:
         return True
@@ -257,34 +285,52 @@ class MicroStepReduceScatterSync(GradSync):
     def _buffer(self, bucket: Bucket) -> torch.Tensor:
         buf = self._buffers.get(bucket.index)
         if buf is None:
-            buf = torch.zeros(bucket.full_numel, dtype=self.policy.reduce_dtype, device=self.device)
+            # Waiting for the oldest collective frees its buffer; buckets still being filled hold
+            # theirs, so when nothing is in flight a new buffer is the only way on.
+            while not self._free and self._pending and self._allocated >= MAX_BUFFERS:
+                self._complete_oldest()
+            if self._free:
+                buf = self._free.pop()
+            else:
+                buf = torch.empty(self._capacity, dtype=self.policy.reduce_dtype, device=self.device)
+                self._allocated += 1
             self._buffers[bucket.index] = buf
-        return buf
+        return buf[: bucket.full_numel]
 
-    def _write(self, bucket: Bucket, i: int, grad: torch.Tensor) -> None:
+    def _write(self, bucket: Bucket, i: int, grad: torch.Tensor, first_in_window: bool) -> None:
         rows = self._buffer(bucket).view(self.layout_world, bucket.numel)
         off, k = bucket.offsets[i], bucket.layouts[i].shard_numel
         scatter_into_rows(rows[:, off : off + k], grad)
 
-    def _launch(self, bucket: Bucket) -> tuple[dist.Work | None, Callable[[], None]]:
+    def _launch(self, bucket: Bucket) -> Callable[[], None]:
         full = self._buffer(bucket)
-        out = torch.empty(bucket.numel, dtype=self.policy.reduce_dtype, device=self.device)
-        work = C.reduce_scatter(out, full, self.group, scratch_input=True)  # the buffer is dropped after
-        acc = self.acc[bucket.start : bucket.start + bucket.numel]
+        self._zero_unwritten(full.view(self.layout_world, bucket.numel), bucket, bucket.ready.__contains__)
+        pending = C.reduce_scatter_rows(full, self.group)
+        acc = self._acc_views[bucket.index]
 
         def finalize() -> None:
-            acc.add_(out, alpha=1.0 / self.world)
-            # The full-size buffer lives only until its collective completes.
-            self._buffers.pop(bucket.index, None)
+            row = pending.wait()
+            if bucket.index in self._fresh:
+                self._fresh.discard(bucket.index)
+                torch.mul(row, 1.0 / self.world, out=acc)
+            else:
+                acc.add_(row, alpha=1.0 / self.world)
+            self._free.append(self._buffers.pop(bucket.index))
 
-        return work, finalize
+        return finalize
 
-    def shard_grads(self) -> torch.Tensor:
-        return self.acc
+    def shard_grads(self) -> list[torch.Tensor]:
+        return self._acc_views
 
     def zero(self) -> None:
         super().zero()
-        self.acc.zero_()
+        self._fresh = {b.index for b in self.buckets}
+        # Bucket buffers beyond the pool size were needed only while many buckets filled at once.
+        del self._free[max(0, MAX_BUFFERS - len(self._buffers)):]
+        self._allocated = len(self._free) + len(self._buffers)
 
     def bytes_held(self) -> int:
         return self.acc.numel() * self.acc.element_size()
+
+    def workspace_bytes(self) -> int:
+        return (len(self._free) + len(self._buffers)) * self._capacity * self.policy.reduce_dtype.itemsize

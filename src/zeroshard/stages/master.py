@@ -32,12 +32,16 @@ class MasterShard:
         self.rank = rank
         self.numel = sum(b.numel for b in buckets)
         self.aliased = alias_params
+        self.device = device
         self.flat = torch.zeros(0 if alias_params else self.numel, dtype=torch.float32, device=device)
         self.views: dict[torch.nn.Parameter, torch.nn.Parameter] = {}
         #: each parameter's real element range ``[s, e)`` held by this rank
         self.ranges: dict[torch.nn.Parameter, tuple[int, int]] = {}
-        self.slices: list[tuple[torch.nn.Parameter, int, int]] = []
-        self._slice_of: dict[torch.nn.Parameter, tuple[torch.nn.Parameter, int, int]] = {}
+        #: ``(master, bucket index, column in the bucket's row, real elements)``
+        self.slices: list[tuple[torch.nn.Parameter, int, int, int]] = []
+        #: per all-gather slot: ``(send, out)`` buffers kept between steps
+        self._gather_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._gather_groups: tuple[int, list[tuple[list[Bucket], int, int]]] | None = None
         for b in buckets:
             for p, layout, off in zip(b.params, b.layouts, b.offsets):
                 s, e = layout.local_range(rank)
@@ -53,18 +57,18 @@ class MasterShard:
                 master = torch.nn.Parameter(view)
                 self.views[p] = master
                 self.ranges[p] = (s, e)
-                self.slices.append((master, a, e - s))
-                self._slice_of[p] = (master, a, e - s)
+                self.slices.append((master, b.index, off, e - s))
 
-    def attach_grads(self, flat_grad: torch.Tensor, skip: Collection[torch.nn.Parameter] = ()) -> None:
-        """Point every master's ``.grad`` at its slice of an fp32 flat gradient shard; masters in
-        ``skip`` get none, so the optimizer leaves them (and their state) untouched."""
-        for master, a, n in self.slices:
-            master.grad = None if master in skip else flat_grad[a : a + n]
+    def attach_grads(self, grads: list[torch.Tensor], skip: Collection[torch.nn.Parameter] = ()) -> None:
+        """Point every master's ``.grad`` at its slice of the fp32 gradient shard (one flat tensor
+        per bucket); masters in ``skip`` get none, so the optimizer leaves them (and their state)
+        untouched."""
+        for master, bucket, off, n in self.slices:
+            master.grad = None if master in skip else grads[bucket][off : off + n]
 
     def detach_grads(self) -> None:
         """Drop the master gradients (they are views of a buffer the gradient sync owns)."""
-        for master, _a, _n in self.slices:
+        for master, *_ in self.slices:
             master.grad = None
 
     def bytes_held(self) -> int:
@@ -78,57 +82,79 @@ class MasterShard:
         for p, master in self.views.items():
             p.data.copy_(master.detach().view_as(p))
 
+    def workspace_bytes(self) -> int:
+        """Bytes of the all-gather buffers kept between steps."""
+        return sum(t.numel() * t.element_size() for pair in self._gather_buffers for t in pair)
+
     def all_gather_to_params(self, group: dist.ProcessGroup | None, bucket_numel: int,
                              dtype: torch.dtype) -> None:
         """Stages 1–2: gather every rank's updated shard into the full module parameters.
 
-        Consecutive buckets are gathered together up to ``bucket_numel`` full elements, and the
-        next gather is in flight while the previous one is copied out.
+        Consecutive buckets are gathered together up to ``bucket_numel`` full elements, through
+        two buffer pairs kept between steps: the next gather is in flight while the previous
+        one is copied out.
         """
         world = C.world_size(group)
-        groups: list[list[Bucket]] = [[]]
-        size = 0
-        for b in self.buckets:
-            if groups[-1] and size + b.full_numel > bucket_numel:
-                groups.append([])
-                size = 0
-            groups[-1].append(b)
-            size += b.full_numel
-        inflight: list[tuple[list[Bucket], torch.Tensor, dist.Work | None]] = []
-        for gb in groups:
-            if gb:
-                inflight.append(self._launch_gather(gb, group, world, dtype))
+        inflight: list[tuple[list[Bucket], int, torch.Tensor, dist.Work | None]] = []
+        for slot, (buckets, a, b) in enumerate(self._groups(bucket_numel)):
+            send, out = self._buffers(slot % 2, world, bucket_numel, dtype)
+            send = self._pack(buckets, a, b, send[: b - a])
+            out = out[: world * (b - a)]
+            inflight.append((buckets, a, out, C.all_gather(out, send, group)))
             if len(inflight) > 1:
                 self._scatter_gathered(*inflight.pop(0), world)
         while inflight:
             self._scatter_gathered(*inflight.pop(0), world)
 
-    def _launch_gather(self, buckets: list[Bucket], group: dist.ProcessGroup | None, world: int,
-                       dtype: torch.dtype) -> tuple[list[Bucket], torch.Tensor, dist.Work | None]:
-        a = buckets[0].start
-        b = buckets[-1].start + buckets[-1].numel
-        send = self._pack(buckets, a, b, dtype)
-        out = torch.empty(world * (b - a), dtype=dtype, device=self.flat.device)
-        return buckets, out, C.all_gather(out, send, group)
+    def _groups(self, bucket_numel: int) -> list[tuple[list[Bucket], int, int]]:
+        """Consecutive buckets gathered by one collective, with their row range ``[a, b)``."""
+        if self._gather_groups is None or self._gather_groups[0] != bucket_numel:
+            groups: list[list[Bucket]] = [[]]
+            size = 0
+            for bk in self.buckets:
+                if groups[-1] and size + bk.full_numel > bucket_numel:
+                    groups.append([])
+                    size = 0
+                groups[-1].append(bk)
+                size += bk.full_numel
+            spans = [(g, g[0].start, g[-1].start + g[-1].numel) for g in groups if g]
+            self._gather_groups = (bucket_numel, spans)
+        return self._gather_groups[1]
 
-    def _pack(self, buckets: list[Bucket], a: int, b: int, dtype: torch.dtype) -> torch.Tensor:
-        """This rank's row ``[a, b)`` of the flat layout, in ``dtype``."""
+    def _buffers(self, slot: int, world: int, bucket_numel: int,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = max(b - a for _g, a, b in self._groups(bucket_numel))
+        while len(self._gather_buffers) <= slot:
+            self._gather_buffers.append((torch.empty(0), torch.empty(0)))
+        send, out = self._gather_buffers[slot]
+        if send.dtype != dtype or send.numel() < rows:
+            send = torch.empty(rows, dtype=dtype, device=self.device)
+            out = torch.empty(world * rows, dtype=dtype, device=self.device)
+            self._gather_buffers[slot] = (send, out)
+        return send, out
+
+    def _pack(self, buckets: list[Bucket], a: int, b: int, send: torch.Tensor) -> torch.Tensor:
+        """This rank's row ``[a, b)`` of the flat layout, in ``send``'s dtype (padding slots are
+        left as they are: no rank reads them)."""
         if not self.aliased:
-            return self.flat[a:b].to(dtype)
-        send = torch.zeros(b - a, dtype=dtype, device=self.flat.device)
+            if self.flat.dtype == send.dtype:
+                return self.flat[a:b]
+            return send.copy_(self.flat[a:b])
         for bk in buckets:
-            for p in bk.params:
-                _master, start, n = self._slice_of[p]
-                send[start - a : start - a + n] = self.views[p].detach()
+            for p, off in zip(bk.params, bk.offsets):
+                view = self.views[p].detach()
+                start = bk.start + off - a
+                send[start : start + view.numel()].copy_(view)
         return send
 
-    @staticmethod
-    def _scatter_gathered(buckets: list[Bucket], out: torch.Tensor, work: dist.Work | None, world: int) -> None:
+    def _scatter_gathered(self, buckets: list[Bucket], base: int, out: torch.Tensor, work: dist.Work | None,
+                          world: int) -> None:
         if work is not None:
             work.wait()
-        base = buckets[0].start
         rows = out.view(world, -1)
+        # Aliased masters are the parameters' own chunks: that row is already in place.
+        skip = self.rank if self.aliased else None
         for bk in buckets:
             for p, layout, off in zip(bk.params, bk.layouts, bk.offsets):
                 col = bk.start - base + off
-                gather_from_rows(rows[:, col : col + layout.shard_numel], p.data.view(-1))
+                gather_from_rows(rows[:, col : col + layout.shard_numel], p.data.view(-1), skip_row=skip)

@@ -154,10 +154,9 @@ class ZeroOptimizer:
 
     def step(self) -> bool:
         """Unscale, check overflow, clip and step. Returns whether the update was applied."""
-        grads = self.sync.shard_grads()
-        g32 = grads if grads.dtype == torch.float32 else grads.float()
+        g32 = [g if g.dtype == torch.float32 else g.float() for g in self.sync.shard_grads()]
         if self.scaler.scale != 1.0:
-            g32.mul_(1.0 / self.scaler.scale)
+            torch._foreach_mul_(g32, 1.0 / self.scaler.scale)
         norm = self._global_norm(g32)
         self.overflow = not math.isfinite(norm)
         self.scaler.update(self.overflow)
@@ -169,7 +168,7 @@ class ZeroOptimizer:
         if clip > 0:
             coef = clip / (norm + 1e-6)
             if coef < 1.0:
-                g32.mul_(coef)
+                torch._foreach_mul_(g32, coef)
         unused = {self.master.views[p] for p in self.sync.unused_params()}
         self.master.attach_grads(g32, skip=unused)
         self._inner.step()
@@ -178,8 +177,9 @@ class ZeroOptimizer:
         self.publish()
         return True
 
-    def _global_norm(self, g32: torch.Tensor) -> float:
-        sq = torch.linalg.vector_norm(g32, dtype=torch.float32).square().reshape(1)
+    def _global_norm(self, g32: list[torch.Tensor]) -> float:
+        local = torch.nn.utils.get_total_norm(g32, norm_type=2.0) if g32 else torch.zeros(())
+        sq = local.to(torch.float32).square().reshape(1)
         if self.sharded:
             C.all_reduce(sq, self.group, async_op=False)
         return float(sq.sqrt().item())
@@ -218,4 +218,5 @@ class ZeroOptimizer:
             "gradients": self.sync.bytes_held(),
             "master_weights": self.master.bytes_held(),
             "optimizer_states": opt_bytes,
+            "comm_workspace": self.sync.workspace_bytes() + self.master.workspace_bytes(),
         }
