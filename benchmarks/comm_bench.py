@@ -32,11 +32,35 @@ def _rank(rank: int, world: int, port: int, mib: int, iters: int) -> None:
     reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
     all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
     mine = slice(rank * shard.numel(), (rank + 1) * shard.numel())
+    recv = torch.empty(n // world)
+
+    def ring_reduce_scatter() -> None:
+        # world - 1 point-to-point steps; rank r ends holding chunk r summed (half an all-reduce).
+        chunks = full.view(world, -1)
+        for s in range(world - 1):
+            send_i, recv_i = (rank - s - 1) % world, (rank - s - 2) % world
+            works = [dist.isend(chunks[send_i], (rank + 1) % world), dist.irecv(recv, (rank - 1) % world)]
+            for w in works:
+                w.wait()
+            chunks[recv_i].add_(recv)
+
+    def ring_all_gather() -> None:
+        # world - 1 point-to-point steps, each forwarding the chunk received in the step before.
+        chunks = full.view(world, -1)
+        chunks[rank].copy_(shard)
+        for s in range(world - 1):
+            send_i, recv_i = (rank - s) % world, (rank - s - 1) % world
+            works = [dist.isend(chunks[send_i], (rank + 1) % world), dist.irecv(chunks[recv_i], (rank - 1) % world)]
+            for w in works:
+                w.wait()
+
     ops = {
         "all_reduce": lambda: dist.all_reduce(full),
         "reduce_scatter": lambda: reduce_scatter(shard, full),
         "all_reduce + own chunk": lambda: (dist.all_reduce(full), shard.copy_(full[mine])),
+        "ring reduce-scatter (p2p)": ring_reduce_scatter,
         "all_gather": lambda: all_gather(full, shard),
+        "ring all-gather (p2p)": ring_all_gather,
         "clone (local)": lambda: full.clone(),
     }
     for name, op in ops.items():

@@ -143,8 +143,7 @@ def _sync_module_states(model: torch.nn.Module, group: dist.ProcessGroup | None)
     entries = [f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in model.state_dict(keep_vars=True).items()]
     C.check_same_across_ranks(entries, group, "module parameters and buffers")
     with torch.no_grad():
-        for t in list(model.parameters()) + list(model.buffers()):
-            C.broadcast(t.data, src=0, group=group)
+        C.broadcast_coalesced([t.data for t in list(model.parameters()) + list(model.buffers())], src=0, group=group)
 
 
 def _param_groups(model: torch.nn.Module, optimizer: OptimizerArg,

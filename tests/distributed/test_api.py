@@ -234,3 +234,43 @@ def test_plain_python_is_a_world_of_one(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     assert "world 1 steps 1" in done.stdout
+
+
+def _rank_seeded_model(rank: int) -> torch.nn.Module:
+    torch.manual_seed(rank)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.BatchNorm1d(7), torch.nn.Linear(7, 3))
+    model[1].running_mean.uniform_()
+    model.register_buffer("counter", torch.tensor([rank, 2 * rank], dtype=torch.int64))
+    return model
+
+
+def broadcast_worker(rank: int, world: int) -> dict:
+    from zeroshard.comm.collectives import broadcast_coalesced
+
+    out = {}
+    for stage in (0, 2):
+        cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+               "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+        engine, *_ = zeroshard.initialize(model=_rank_seeded_model(rank), config=cfg)
+        out[stage] = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    # Tiny buckets (several messages per dtype), mixed dtypes, a non-contiguous tensor.
+    torch.manual_seed(10 + rank)
+    tensors = [torch.randn(4, 3).t(), torch.randn(5).to(torch.bfloat16), torch.randn(9), torch.arange(3) * rank]
+    broadcast_coalesced(tensors, src=0, group=None, bucket_bytes=24)
+    out["direct"] = [t.clone() for t in tensors]
+    return out
+
+
+def test_initialize_broadcasts_rank0_weights_and_buffers() -> None:
+    """Ranks that built different weights train rank 0's, as DeepSpeed and DDP do."""
+    results = run_distributed(broadcast_worker, 2)
+    want = _rank_seeded_model(0).state_dict()
+    for rank in (0, 1):
+        for stage in (0, 2):
+            got = results[rank][stage]
+            assert set(got) == set(want)
+            for k, v in want.items():
+                assert torch.equal(got[k], v), (rank, stage, k)
+        for a, b in zip(results[rank]["direct"], results[0]["direct"]):
+            assert a.dtype == b.dtype and torch.equal(a, b), rank
+    assert not torch.equal(_rank_seeded_model(1)[0].weight, want["0.weight"])

@@ -55,19 +55,58 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | N
     return _reduce_scatter_flat(out, inp, group=group, async_op=async_op)
 
 
-def reduce_scatter_rows(buf: torch.Tensor, group: ProcessGroup | None) -> ReducedRow:
+class _RingReduceScatter(ReducedRow):
+    """A reduce-scatter from point-to-point messages around the ring of ranks.
+
+    ``world - 1`` steps; in each, rank ``r`` sends its partial sum of one chunk to ``r + 1`` and
+    adds the chunk received from ``r - 1``, ending with its own chunk summed. It moves half the
+    bytes of an all-reduce. The first step starts at once; later ones run in :meth:`wait`.
+    """
+
+    def __init__(self, buf: torch.Tensor, group: ProcessGroup | None, tag: int) -> None:
+        self.n, self.r, self.group, self.tag = world_size(group), rank(group), group, tag
+        self.chunks = buf.view(self.n, -1)
+        self.recv = torch.empty_like(self.chunks[0])
+        self.next = self._global((self.r + 1) % self.n)
+        self.prev = self._global((self.r - 1) % self.n)
+        self.step = 0
+        super().__init__(None, self.chunks[self.r])
+        self.works: list[dist.Work | None] | None = self._start()
+
+    def _global(self, r: int) -> int:
+        return r if self.group is None else dist.get_global_rank(self.group, r)
+
+    def _start(self) -> list[dist.Work | None]:
+        send = self.chunks[(self.r - self.step - 1) % self.n]
+        return [dist.isend(send, self.next, group=self.group, tag=self.tag),
+                dist.irecv(self.recv, self.prev, group=self.group, tag=self.tag)]
+
+    def wait(self) -> torch.Tensor:
+        while self.works is not None:
+            for w in self.works:
+                if w is not None:
+                    w.wait()
+            self.chunks[(self.r - self.step - 2) % self.n].add_(self.recv)
+            self.step += 1
+            self.works = self._start() if self.step < self.n - 1 else None
+        return self.row
+
+
+def reduce_scatter_rows(buf: torch.Tensor, group: ProcessGroup | None, tag: int = 0) -> ReducedRow:
     """Reduce-scatter a scratch buffer laid out ``[world, n]``; the caller gives ``buf`` up.
 
-    On gloo, whose reduce-scatter is a clone of the input plus an all-reduce plus a copy, an
-    in-place all-reduce leaves the summed row inside ``buf`` with no copy at all
-    (benchmarks/PROFILE.md). Other backends (NCCL) run a real reduce-scatter into a new row.
+    gloo has no native reduce-scatter (torch runs it as a clone of the input, an all-reduce and a
+    copy), so there the sum travels around the ring in point-to-point messages, in place, at
+    half the bytes of an all-reduce (benchmarks/PROFILE.md); ``tag`` tells apart the reductions
+    in flight at once (every rank must pass the same). Other backends (NCCL) run a real
+    reduce-scatter into a new row.
     """
     n = world_size(group)
     rows = buf.view(n, -1)
     if n == 1:
         return ReducedRow(None, rows[0])
     if dist.get_backend(group) == "gloo":
-        return ReducedRow(dist.all_reduce(buf, group=group, async_op=True), rows[rank(group)])
+        return _RingReduceScatter(buf, group, tag)
     out = torch.empty(rows.shape[1], dtype=buf.dtype, device=buf.device)
     return ReducedRow(_reduce_scatter_flat(out, buf, group=group, async_op=True), out)
 
@@ -93,6 +132,38 @@ def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> Non
     """Blocking broadcast from global rank ``src``."""
     if world_size(group) > 1:
         dist.broadcast(tensor, src=src, group=group)
+
+
+def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: ProcessGroup | None,
+                        bucket_bytes: int = 64 * 2**20) -> None:
+    """Broadcast many tensors from global rank ``src`` in a few flat messages per dtype and device.
+
+    One message per tensor costs a round trip each (hundreds for a transformer); packing them
+    into buckets of ``bucket_bytes`` costs one copy in and one copy out instead.
+    """
+    if world_size(group) == 1:
+        return
+    receiving = dist.get_rank() != src
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            by_kind.setdefault((t.dtype, t.device), []).append(t)
+    for kind in by_kind.values():
+        buckets: list[list[torch.Tensor]] = [[]]
+        size = 0
+        for t in kind:
+            nbytes = t.numel() * t.element_size()
+            if buckets[-1] and size + nbytes > bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(t)
+            size += nbytes
+        for chunk in buckets:
+            flat = torch.cat([x.reshape(-1) for x in chunk])
+            dist.broadcast(flat, src=src, group=group)
+            if receiving:
+                for x, piece in zip(chunk, flat.split([x.numel() for x in chunk])):
+                    x.copy_(piece.view_as(x))
 
 
 def check_same_across_ranks(items: Sequence[str], group: ProcessGroup | None, what: str) -> None:

@@ -73,6 +73,8 @@ class GradSync:
         self._launched: set[int] = set()
         self._next_launch = 0
         self.boundary = True
+        #: whether a boundary backward reduced the gradients of this window
+        self.reduced = False
         for p in self._where:
             self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
@@ -112,6 +114,7 @@ class GradSync:
                 self._launch_bucket(b)
         while self._pending:
             self._complete_oldest()
+        self.reduced = self.reduced or self.boundary
 
     def _complete_oldest(self) -> None:
         _bucket, finalize = self._pending.pop(0)
@@ -179,6 +182,7 @@ class GradSync:
     def zero(self) -> None:
         """Forget accumulated gradients (after a step, or a skipped one)."""
         self._seen.clear()
+        self.reduced = False
 
     def bytes_held(self) -> int:
         """Bytes of gradient state that persist between steps on this rank."""
@@ -199,7 +203,9 @@ class _FullAccumulatorSync(GradSync):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.acc = torch.zeros(self.layout_world * self.shard_numel, dtype=self.policy.grad_accum_dtype,
+        # Never read before written: the first gradient of a window is copied in (padding zeroed),
+        # unwritten parameters are zeroed before the collective.
+        self.acc = torch.empty(self.layout_world * self.shard_numel, dtype=self.policy.grad_accum_dtype,
                                device=self.device)
         #: this rank's row of every bucket: where its averaged gradient shard ends up
         self._own = [self._rows(b)[self.row] for b in self.buckets]
@@ -221,6 +227,9 @@ class _FullAccumulatorSync(GradSync):
         return region if region.dtype == rd else region.to(rd)
 
     def shard_grads(self) -> list[torch.Tensor]:
+        if not self.reduced:  # a step without any backward in its window: no gradient at all
+            for own in self._own:
+                own.zero_()
         return self._own
 
     def bytes_held(self) -> int:
@@ -251,7 +260,7 @@ class BoundaryReduceScatterSync(_FullAccumulatorSync):
     def _launch(self, bucket: Bucket) -> Callable[[], None]:
         own = self._own[bucket.index]
         # The accumulator is rewritten from scratch in the next window: the collective may use it.
-        pending = C.reduce_scatter_rows(self._wire(bucket), self.group)
+        pending = C.reduce_scatter_rows(self._wire(bucket), self.group, tag=bucket.index)
 
         def finalize() -> None:
             row = pending.wait()
@@ -271,7 +280,8 @@ class MicroStepReduceScatterSync(GradSync):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.acc = torch.zeros(self.shard_numel, dtype=self.policy.grad_accum_dtype, device=self.device)
+        # Written (not added) by each bucket's first reduction of a window.
+        self.acc = torch.empty(self.shard_numel, dtype=self.policy.grad_accum_dtype, device=self.device)
         self._acc_views = [self.acc[b.start : b.start + b.numel] for b in self.buckets]
         self._capacity = max((b.full_numel for b in self.buckets), default=0)
         self._buffers: dict[int, torch.Tensor] = {}  # bucket index -> buffer being filled or reduced
@@ -305,7 +315,7 @@ class MicroStepReduceScatterSync(GradSync):
     def _launch(self, bucket: Bucket) -> Callable[[], None]:
         full = self._buffer(bucket)
         self._zero_unwritten(full.view(self.layout_world, bucket.numel), bucket, bucket.ready.__contains__)
-        pending = C.reduce_scatter_rows(full, self.group)
+        pending = C.reduce_scatter_rows(full, self.group, tag=bucket.index)
         acc = self._acc_views[bucket.index]
 
         def finalize() -> None:
@@ -320,6 +330,8 @@ class MicroStepReduceScatterSync(GradSync):
         return finalize
 
     def shard_grads(self) -> list[torch.Tensor]:
+        for i in self._fresh:  # not reduced in this window (no backward at all): no gradient
+            self._acc_views[i].zero_()
         return self._acc_views
 
     def zero(self) -> None:
