@@ -125,8 +125,8 @@ def _bucket(index: int, params: list[torch.nn.Parameter], world: int) -> Bucket:
     return Bucket(index=index, params=list(params), layouts=layouts, offsets=offsets, numel=col)
 
 
-def scatter_into_rows(rows: torch.Tensor, flat: torch.Tensor, accumulate: bool = False) -> None:
-    """Write (or add) a flat tensor into its ``[world, shard_numel]`` column block, row-major.
+def scatter_into_rows(rows: torch.Tensor, flat: torch.Tensor, accumulate: bool = False, alpha: float = 1.0) -> None:
+    """Write (or add) ``alpha * flat`` into its ``[world, shard_numel]`` column block, row-major.
 
     ``rows`` is a (possibly strided) ``[world, k]`` view; ``flat`` has ``numel <= world * k``.
     Writing also zeroes the padding slots, so a reused (not zero-filled) buffer holds exactly this
@@ -136,12 +136,20 @@ def scatter_into_rows(rows: torch.Tensor, flat: torch.Tensor, accumulate: bool =
     n = flat.numel()
     if k == 0:
         return
+
+    def put(dst: torch.Tensor, src: torch.Tensor) -> None:
+        if accumulate:
+            dst.add_(src, alpha=alpha)
+        elif alpha == 1.0:
+            dst.copy_(src)
+        else:
+            torch.mul(src, alpha, out=dst)
+
     full, rem = divmod(n, k)
-    op = torch.Tensor.add_ if accumulate else torch.Tensor.copy_
     if full:
-        op(rows[:full], flat[: full * k].view(full, k))
+        put(rows[:full], flat[: full * k].view(full, k))
     if rem:
-        op(rows[full, :rem], flat[full * k :])
+        put(rows[full, :rem], flat[full * k :])
     if not accumulate and full < rows.shape[0]:
         rows[full, rem:].zero_()
         rows[full + 1 :].zero_()

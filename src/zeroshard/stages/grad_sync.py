@@ -20,8 +20,8 @@ Three strategies, one per stage:
   as buckets fill and added to a persistent accumulator of this rank's shard only; full-size
   gradients exist only transiently, bucket by bucket.
 
-Gradients are averaged over ranks after the collective (``sum / world``) and accumulated in the
-policy's ``grad_accum_dtype`` (fp32 by default).
+Gradients are averaged over ranks (stages 0–1 divide by the world size as they write, stage 2
+after each collective) and accumulated in the policy's ``grad_accum_dtype`` (fp32 by default).
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ from zeroshard.precision import PrecisionPolicy
 #: Stage 2/3 bucket buffers kept for reuse; a bucket that finds none free waits for the oldest
 #: collective in flight rather than allocating (DeepSpeed keeps two such buffers, DDP one per bucket).
 MAX_BUFFERS = 3
+#: Collectives in flight at most: launching one more first completes the oldest, so their
+#: transient buffers (gloo's receive chunks) stay bounded and their results are folded in during
+#: backward rather than all at its end.
+MAX_INFLIGHT = 3
 
 _Pending = tuple[Bucket, Callable[[], None]]
 
@@ -132,6 +136,8 @@ class GradSync:
         if b.index in self._launched:
             return
         self._launched.add(b.index)
+        while len(self._pending) >= MAX_INFLIGHT:
+            self._complete_oldest()
         self._pending.append((b, self._launch(b)))
 
     @staticmethod
@@ -198,7 +204,9 @@ class _FullAccumulatorSync(GradSync):
 
     The first gradient of a window is copied into the accumulator and later ones are added, so
     the accumulator is never zero-filled after a step; parameters that no micro-step wrote are
-    zeroed just before the collective.
+    zeroed just before the collective. Gradients are divided by the world size as they are
+    written, so the reduced sum is already the average (exact for powers of two) and no pass over
+    the result is needed.
     """
 
     def __init__(self, *args: object, **kwargs: object) -> None:
@@ -216,7 +224,8 @@ class _FullAccumulatorSync(GradSync):
 
     def _write(self, bucket: Bucket, i: int, grad: torch.Tensor, first_in_window: bool) -> None:
         off, k = bucket.offsets[i], bucket.layouts[i].shard_numel
-        scatter_into_rows(self._rows(bucket)[:, off : off + k], grad, accumulate=not first_in_window)
+        scatter_into_rows(self._rows(bucket)[:, off : off + k], grad, accumulate=not first_in_window,
+                          alpha=1.0 / self.world)
 
     def _wire(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's accumulator region, complete, in the reduction dtype."""
@@ -249,7 +258,6 @@ class AllReduceSync(_FullAccumulatorSync):
                 work.wait()
             if wire is not region:
                 region.copy_(wire)
-            region.div_(self.world)
 
         return finalize
 
@@ -266,7 +274,6 @@ class BoundaryReduceScatterSync(_FullAccumulatorSync):
             row = pending.wait()
             if row.data_ptr() != own.data_ptr() or row.dtype != own.dtype:
                 own.copy_(row)
-            own.div_(self.world)
 
         return finalize
 
