@@ -10,6 +10,7 @@ from zeroshard.partition.layout import (
     full_shape,
     gather_from_rows,
     make_buckets,
+    merge_buckets,
     scatter_into_rows,
 )
 
@@ -23,5 +24,6 @@ __all__ = [
     "full_shape",
     "gather_from_rows",
     "make_buckets",
+    "merge_buckets",
     "scatter_into_rows",
 ]

@@ -116,6 +116,34 @@ def buckets_from_groups(groups: Sequence[Sequence[torch.nn.Parameter]], world: i
     return buckets
 
 
+def merge_buckets(buckets: Sequence[Bucket], max_numel: int) -> list[Bucket]:
+    """Consecutive buckets joined into larger ones of at most ``max_numel`` full elements (at least
+    one bucket each), for one collective where each of them would otherwise need its own.
+
+    Buckets lie back to back in the rank-local flat buffer, so a run of them is itself a bucket:
+    its row is their rows side by side, and it starts where the first one does.
+    """
+    runs: list[list[Bucket]] = []
+    size = 0
+    for b in buckets:
+        if not runs or size + b.full_numel > max_numel:
+            runs.append([])
+            size = 0
+        runs[-1].append(b)
+        size += b.full_numel
+    merged = []
+    for index, run in enumerate(runs):
+        merged.append(Bucket(
+            index=index,
+            params=[p for b in run for p in b.params],
+            layouts=[lay for b in run for lay in b.layouts],
+            offsets=[b.start - run[0].start + off for b in run for off in b.offsets],
+            numel=sum(b.numel for b in run),
+            start=run[0].start,
+        ))
+    return merged
+
+
 def _bucket(index: int, params: list[torch.nn.Parameter], world: int) -> Bucket:
     layouts = [ShardLayout(full_numel(p), world) for p in params]
     offsets, col = [], 0

@@ -54,8 +54,8 @@ class GradSync:
         #: Launch strictly in bucket order (stages 0-2). ZeRO-3 launches each unit as it completes:
         #: its all-gathers already require every rank to run modules in the same order.
         self.ordered = True
-        #: Called with a bucket once all its gradients have been written (ZeRO-3 releases the unit).
-        self.on_complete: Callable[[Bucket], None] | None = None
+        #: Called with each parameter once its gradient has been written (ZeRO-3 releases units).
+        self.on_param_done: Callable[[torch.nn.Parameter], None] | None = None
         self.buckets = buckets
         self.group = group
         self.world = C.world_size(group)
@@ -102,8 +102,8 @@ class GradSync:
         self._seen.add(k)
         bucket.ready.add(i)
         complete = len(bucket.ready) == len(bucket.params)
-        if complete and self.on_complete is not None:
-            self.on_complete(bucket)
+        if self.on_param_done is not None:
+            self.on_param_done(p)  # type: ignore[arg-type]
         if not (self.overlap_comm and self._launches_now()):
             return
         if self.ordered:

@@ -7,9 +7,10 @@ first), or a whole subtree for modules marked with ``set_z3_leaf_modules``. Each
 bucket of the usual per-parameter chunk layout, so the fp32 master
 shard, the gradient shard and the compute-dtype parameter shard are three flat buffers with the
 same geometry: after the optimizer step the new parameter shard is a cast of the master shard, no
-collective needed. Forward and backward gather units through :class:`ParamCoordinator`; gradients
-are reduce-scattered unit by unit as soon as a unit's gradients are complete, and the unit is
-released at that moment.
+collective needed. Forward and backward gather units through :class:`ParamCoordinator`. A unit is
+released as soon as all its gradients are written; gradients are reduce-scattered by runs of
+consecutive units up to ``reduce_bucket_size`` (one collective for many small modules), each run
+as soon as it is complete.
 
 Memory residency per rank (Ψ parameters, N ranks, 16-bit compute, Adam, gradients accumulated in
 the compute dtype): parameter shard 2Ψ/N + gradient shard 2Ψ/N + master 4Ψ/N + Adam 8Ψ/N = 16Ψ/N,
@@ -25,9 +26,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeroshard.partition import INIT_CHUNK_ATTR, SHAPE_ATTR, Bucket, buckets_from_groups
+from zeroshard.partition import INIT_CHUNK_ATTR, SHAPE_ATTR, Bucket, buckets_from_groups, merge_buckets
 from zeroshard.precision import LossScaler, PrecisionPolicy
 from zeroshard.stages.coordinator import ParamCoordinator
+from zeroshard.stages.grad_sync import MicroStepReduceScatterSync
 from zeroshard.stages.param_unit import ParamUnit, UnitState
 from zeroshard.stages.units import is_leaf, unit_modules
 from zeroshard.stages.zero_optimizer import StageSpec, ZeroOptimizer
@@ -61,9 +63,13 @@ class Stage3Optimizer(ZeroOptimizer):
         self.coordinator = ParamCoordinator(module, self.units, spec.max_live_parameters,
                                             spec.prefetch_bucket_size)
         self.coordinator.gather_persistent()
-        self._unit_of_bucket = {u.bucket.index: u for u in self.units}
+        self._unit_of = {p: u for u in self.units for p in u.params}
+        self._grads_missing: dict[ParamUnit, int] = {}
         self.sync.ordered = False
-        self.sync.on_complete = self._bucket_done
+        self.sync.on_param_done = self._param_done
+        assert isinstance(self.sync, MicroStepReduceScatterSync)
+        # The reduction buckets span several units; the shard accumulator is in layout order.
+        self._unit_grads = [self.sync.acc[b.start : b.start + b.numel] for b in self.buckets]
 
     def _make_buckets(self, params: list[torch.nn.Parameter]) -> list[Bucket]:
         trained = set(params)
@@ -76,8 +82,25 @@ class Stage3Optimizer(ZeroOptimizer):
                 groups.append(mine)
         return buckets_from_groups(groups, self.world)
 
-    def _bucket_done(self, bucket: Bucket) -> None:
-        self.coordinator.unit_grads_done(self._unit_of_bucket[bucket.index])
+    def _sync_buckets(self) -> list[Bucket]:
+        # One reduce-scatter per run of units up to reduce_bucket_size, not one per unit: units
+        # are single modules, often far smaller than a bucket (DeepSpeed buckets them too).
+        return merge_buckets(self.buckets, self.spec.reduce_bucket_size)
+
+    def _grad_views(self) -> list[torch.Tensor]:
+        self.sync.shard_grads()  # zeroes what no backward reduced in this window
+        return self._unit_grads
+
+    def start_backward(self, boundary: bool) -> None:
+        """Count the gradients each unit still waits for in this backward."""
+        super().start_backward(boundary)
+        self._grads_missing = {u: len(u.params) for u in self.units}
+
+    def _param_done(self, p: torch.nn.Parameter) -> None:
+        u = self._unit_of[p]
+        self._grads_missing[u] = self._grads_missing.get(u, len(u.params)) - 1
+        if self._grads_missing[u] == 0:  # no parameter of the unit is needed again this pass
+            self.coordinator.unit_grads_done(u)
 
     def finish_backward(self) -> None:
         """Complete the gradient collectives, then release every non-persistent unit."""

@@ -93,7 +93,8 @@ class ZeroOptimizer:
         # fp32 training: the module's parameters are the masters (no copy; stage 3 aliases its shard).
         alias = policy.param_dtype == torch.float32 and spec.stage < 3
         self.master = MasterShard(self.buckets, self.rank if layout_world > 1 else 0, device, alias_params=alias)
-        self.sync = _SYNC_FOR_STAGE[min(spec.stage, 2)](self.buckets, group, policy, device, spec.overlap_comm)
+        self.sync = _SYNC_FOR_STAGE[min(spec.stage, 2)](self._sync_buckets(), group, policy, device,
+                                                        spec.overlap_comm)
         for p in params:
             p._zeroshard_owner = self  # type: ignore[attr-defined]  # found by GatheredParameters
         self._group_options = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
@@ -106,6 +107,14 @@ class ZeroOptimizer:
         layout_world = self.world if self.spec.stage >= 1 else 1
         # Reverse registration order approximates the order in which backward produces gradients.
         return make_buckets(list(reversed(params)), layout_world, self.spec.reduce_bucket_size)
+
+    def _sync_buckets(self) -> list[Bucket]:
+        """The buckets gradients are reduced in (the layout's own, at stages 0–2)."""
+        return self.buckets
+
+    def _grad_views(self) -> list[torch.Tensor]:
+        """This rank's reduced gradient shard, one flat tensor per bucket of ``self.buckets``."""
+        return self.sync.shard_grads()
 
     # -- optimizer wiring ---------------------------------------------------------------------
     def master_param_groups(self) -> list[dict[str, Any]]:
@@ -154,7 +163,7 @@ class ZeroOptimizer:
 
     def step(self) -> bool:
         """Unscale, check overflow, clip and step. Returns whether the update was applied."""
-        g32 = [g if g.dtype == torch.float32 else g.float() for g in self.sync.shard_grads()]
+        g32 = [g if g.dtype == torch.float32 else g.float() for g in self._grad_views()]
         if self.scaler.scale != 1.0:
             torch._foreach_mul_(g32, 1.0 / self.scaler.scale)
         norm = self._global_norm(g32)
