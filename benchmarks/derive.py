@@ -68,3 +68,4 @@ def _use_paired(r: dict[str, Any]) -> None:
              vs_ddp=1.0 if r["system"] == "ddp" else pr["vs_ddp"])
     for name in ("deepspeed", "ddp", "fsdp2"):
         r[f"vs_{name}_cpu"] = None  # the short ordinary job's CPU time is not comparable
+        r[f"vs_{name}_iqr"] = pr.get("vs_iqr", {}).get(name)

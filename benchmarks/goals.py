@@ -16,11 +16,17 @@ def _cpu(ratio: float | None) -> str:
     return f" (CPU time {ratio:.2f}x)" if ratio is not None else ""
 
 
+def _iqr(q: Any) -> str:
+    """The quartiles of the paired rounds' ratios, when measured."""
+    return f" (rounds {q[0]:.2f}-{q[1]:.2f})" if q else ""
+
+
 def _ratio_goal(name: str, rows: list[dict[str, Any]], key: str, limit: float) -> Goal:
     vals = [(r, float(r[key])) for r in rows if r.get(key) is not None]
     if not vals:
         return name, "not measured", None
-    text = ", ".join(f"{r['size']} s{r['variant']}: {v:.2f}x" + _cpu(r.get(f"{key}_cpu")) for r, v in vals)
+    text = ", ".join(f"{r['size']} s{r['variant']}: {v:.2f}x" + _iqr(r.get(f"{key}_iqr")) + _cpu(r.get(f"{key}_cpu"))
+                     for r, v in vals)
     return name, text, all(v <= limit for _, v in vals)
 
 

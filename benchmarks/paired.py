@@ -52,6 +52,13 @@ def run_paired(job: Job, rank: int, device: Any, result: dict[str, Any]) -> None
             members[name]["phases_s"].append(dict(trainers[name].phases.seconds))
 
 
+def _quartiles(values: list[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return (values[0], values[0]) if values else (float("nan"), float("nan"))
+    q1, _q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q3
+
+
 def merge_paired(job: Job, ranks: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Parent side: per member, the median step time and, against every other member, the median
     over measured rounds of the per-round step-time ratio (a round's step = its slowest rank)."""
@@ -72,6 +79,9 @@ def merge_paired(job: Job, ranks: list[dict[str, Any]]) -> dict[str, dict[str, A
                        for i in range(len(m["losses"]))],
             "vs": {other: statistics.median(a / b for a, b in zip(mine, steps[other][warm:]))
                    for other in ok if other != name},
+            # How much the per-round ratio varies: the quartiles (first, third) over the rounds.
+            "vs_iqr": {other: _quartiles([a / b for a, b in zip(mine, steps[other][warm:])])
+                       for other in ok if other != name},
         }
         if job.device == "cpu":  # on CUDA the phases are launch times, not run times
             n = len(m["phases_s"])

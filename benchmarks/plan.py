@@ -114,4 +114,5 @@ def attach_paired(results: list[dict[str, Any]], paired: list[dict[str, Any]]) -
                 "rounds": len(m["step_s_rounds"]), "final_loss": m["losses"][-1], "losses": m["losses"],
                 "vs_deepspeed": vs.get(f"deepspeed:{stage}"), "vs_ddp": vs.get("ddp:0"),
                 "vs_fsdp2": vs.get("fsdp2:3"), "phases_s": m.get("phases_s"),
+                "vs_iqr": {k.split(":")[0]: v for k, v in m.get("vs_iqr", {}).items()},
             }

@@ -90,9 +90,10 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], chart: str, chart
         rounds = max(r["paired"]["rounds"] for r in ok if r.get("paired"))
         out.append("- Step times are **paired**: the systems of each stage (and DDP) train side by side in the "
                    f"same rank processes, one step each in turn for {rounds} measured rounds, so they see the same "
-                   "machine load; ratios are medians of per-round ratios. **alone** is the median step of each "
-                   "system's own short run (fresh processes, the only model in memory), which also gives CPU "
-                   "s/step, start-up and memory.")
+                   "machine load; ratios are medians of per-round ratios (the goals table also gives their "
+                   "quartiles over the rounds, to show how much one round differs from the next). **alone** "
+                   "is the median step of each system's own short run (fresh processes, the only model in "
+                   "memory), which also gives CPU s/step, start-up and memory.")
     if ok:
         job = ok[0]["job"]
         wl = job["workload"]
