@@ -3,7 +3,14 @@
 # plain PyTorch on the GPU, a Hugging Face model under zero.Init), then a short benchmark of
 # zeroshard stages 0-3 against DeepSpeed, DDP and FSDP2 (bf16, 1.2B-parameter GPT). Writes logs to
 # $OUT (or benchmarks/results). Packages missing there (pydantic, DeepSpeed and its dependencies)
-# are taken from .whl/ when present (the device machine has no network).
+# are taken from .whl/ when present (the device machine has no network). To fill .whl/ (Python 3.12
+# there), on a machine with network:
+#   pip download --no-deps --no-binary :all: deepspeed==0.19.8 -d /tmp/ds
+#   DS_BUILD_OPS=0 pip wheel --no-deps --no-build-isolation /tmp/ds/deepspeed-0.19.8.tar.gz -w .whl
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+#     -d .whl pydantic pydantic_core annotated_types typing_inspection hjson msgpack py-cpuinfo ninja \
+#     einops psutil tqdm packaging numpy
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-benchmarks/results}"
