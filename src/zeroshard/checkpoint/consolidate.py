@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from zeroshard.checkpoint.paths import resolve_checkpoint
 from zeroshard.checkpoint.safetensors_io import TensorSpec, write_safetensors
 from zeroshard.checkpoint.source import CheckpointSource, open_source
 from zeroshard.errors import CheckpointError
+from zeroshard.partition import consecutive_runs
 
 logger = logging.getLogger("zeroshard")
 INDEX_FILE = "model.safetensors.index.json"
@@ -108,15 +110,8 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir:
 
 
 def _plan(specs: list[TensorSpec], max_bytes: int | None) -> list[list[TensorSpec]]:
-    shards: list[list[TensorSpec]] = [[]]
-    size = 0
-    for s in specs:
-        if max_bytes is not None and shards[-1] and size + s.nbytes > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(s)
-        size += s.nbytes
-    return shards
+    limit = max_bytes if max_bytes is not None else sys.maxsize
+    return consecutive_runs(specs, lambda s: s.nbytes, limit) or [[]]
 
 
 def convert_checkpoint(checkpoint_dir: str | Path, out: str | Path, tag: str | None = None,

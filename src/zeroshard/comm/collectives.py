@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.errors import DistributedError
+from zeroshard.partition import consecutive_runs
 
 ProcessGroup = dist.ProcessGroup
 
@@ -149,15 +150,7 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: Proces
         if t.numel():
             by_kind.setdefault((t.dtype, t.device), []).append(t)
     for kind in by_kind.values():
-        buckets: list[list[torch.Tensor]] = [[]]
-        size = 0
-        for t in kind:
-            nbytes = t.numel() * t.element_size()
-            if buckets[-1] and size + nbytes > bucket_bytes:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(t)
-            size += nbytes
+        buckets = consecutive_runs(kind, lambda t: t.numel() * t.element_size(), bucket_bytes)
         for chunk in buckets:
             flat = torch.cat([x.reshape(-1) for x in chunk])
             dist.broadcast(flat, src=src, group=group)

@@ -14,10 +14,13 @@ the memory estimator all share.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
+
+_T = TypeVar("_T")
 
 #: Attribute holding a parameter's real shape while its ``.data`` is an empty placeholder
 #: (ZeRO-3 at rest, or built under ``zero.Init``).
@@ -87,23 +90,29 @@ class Bucket:
         return self.numel * (self.layouts[0].world if self.layouts else 1)
 
 
+def consecutive_runs(items: Sequence[_T], size: Callable[[_T], int], max_size: int) -> list[list[_T]]:
+    """Split ``items``, in order, into runs of at most ``max_size`` in total (at least one item each).
+
+    The one greedy grouping behind buckets, merged buckets, all-gather groups and broadcasts.
+    """
+    runs: list[list[_T]] = []
+    total = 0
+    for item in items:
+        n = size(item)
+        if not runs or total + n > max_size:
+            runs.append([])
+            total = 0
+        runs[-1].append(item)
+        total += n
+    return runs
+
+
 def make_buckets(params: Sequence[torch.nn.Parameter], world: int, max_numel: int) -> list[Bucket]:
     """Group parameters into buckets of at most ``max_numel`` full elements (at least one param each).
 
     Parameters are taken in the order given; callers pass them in expected gradient-ready order.
     """
-    groups: list[list[torch.nn.Parameter]] = []
-    current: list[torch.nn.Parameter] = []
-    current_numel = 0
-    for p in params:
-        if current and current_numel + full_numel(p) > max_numel:
-            groups.append(current)
-            current, current_numel = [], 0
-        current.append(p)
-        current_numel += full_numel(p)
-    if current:
-        groups.append(current)
-    return buckets_from_groups(groups, world)
+    return buckets_from_groups(consecutive_runs(params, full_numel, max_numel), world)
 
 
 def buckets_from_groups(groups: Sequence[Sequence[torch.nn.Parameter]], world: int) -> list[Bucket]:
@@ -123,14 +132,7 @@ def merge_buckets(buckets: Sequence[Bucket], max_numel: int) -> list[Bucket]:
     Buckets lie back to back in the rank-local flat buffer, so a run of them is itself a bucket:
     its row is their rows side by side, and it starts where the first one does.
     """
-    runs: list[list[Bucket]] = []
-    size = 0
-    for b in buckets:
-        if not runs or size + b.full_numel > max_numel:
-            runs.append([])
-            size = 0
-        runs[-1].append(b)
-        size += b.full_numel
+    runs = consecutive_runs(buckets, lambda b: b.full_numel, max_numel)
     merged = []
     for index, run in enumerate(runs):
         merged.append(Bucket(

@@ -293,7 +293,6 @@ class MicroStepReduceScatterSync(GradSync):
         self._capacity = max((b.full_numel for b in self.buckets), default=0)
         self._buffers: dict[int, torch.Tensor] = {}  # bucket index -> buffer being filled or reduced
         self._free: list[torch.Tensor] = []
-        self._allocated = 0
         self._fresh: set[int] = {b.index for b in self.buckets}  # buckets not yet reduced this window
 
     def _launches_now(self) -> bool:
@@ -304,13 +303,12 @@ class MicroStepReduceScatterSync(GradSync):
         if buf is None:
             # Waiting for the oldest collective frees its buffer; buckets still being filled hold
             # theirs, so when nothing is in flight a new buffer is the only way on.
-            while not self._free and self._pending and self._allocated >= MAX_BUFFERS:
+            while not self._free and self._pending and self._pool_size() >= MAX_BUFFERS:
                 self._complete_oldest()
             if self._free:
                 buf = self._free.pop()
             else:
                 buf = torch.empty(self._capacity, dtype=self.policy.reduce_dtype, device=self.device)
-                self._allocated += 1
             self._buffers[bucket.index] = buf
         return buf[: bucket.full_numel]
 
@@ -346,10 +344,13 @@ class MicroStepReduceScatterSync(GradSync):
         self._fresh = {b.index for b in self.buckets}
         # Bucket buffers beyond the pool size were needed only while many buckets filled at once.
         del self._free[max(0, MAX_BUFFERS - len(self._buffers)):]
-        self._allocated = len(self._free) + len(self._buffers)
+
+    def _pool_size(self) -> int:
+        """Bucket buffers allocated: every one is either free or held by a bucket."""
+        return len(self._free) + len(self._buffers)
 
     def bytes_held(self) -> int:
         return self.acc.numel() * self.acc.element_size()
 
     def workspace_bytes(self) -> int:
-        return (len(self._free) + len(self._buffers)) * self._capacity * self.policy.reduce_dtype.itemsize
+        return self._pool_size() * self._capacity * self.policy.reduce_dtype.itemsize

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm import collectives as C
-from zeroshard.partition import INIT_CHUNK_ATTR, Bucket, gather_from_rows
+from zeroshard.partition import INIT_CHUNK_ATTR, Bucket, consecutive_runs, gather_from_rows
 
 
 class MasterShard:
@@ -109,15 +109,8 @@ class MasterShard:
     def _groups(self, bucket_numel: int) -> list[tuple[list[Bucket], int, int]]:
         """Consecutive buckets gathered by one collective, with their row range ``[a, b)``."""
         if self._gather_groups is None or self._gather_groups[0] != bucket_numel:
-            groups: list[list[Bucket]] = [[]]
-            size = 0
-            for bk in self.buckets:
-                if groups[-1] and size + bk.full_numel > bucket_numel:
-                    groups.append([])
-                    size = 0
-                groups[-1].append(bk)
-                size += bk.full_numel
-            spans = [(g, g[0].start, g[-1].start + g[-1].numel) for g in groups if g]
+            groups = consecutive_runs(self.buckets, lambda bk: bk.full_numel, bucket_numel)
+            spans = [(g, g[0].start, g[-1].start + g[-1].numel) for g in groups]
             self._gather_groups = (bucket_numel, spans)
         return self._gather_groups[1]
 
@@ -136,9 +129,7 @@ class MasterShard:
     def _pack(self, buckets: list[Bucket], a: int, b: int, send: torch.Tensor) -> torch.Tensor:
         """This rank's row ``[a, b)`` of the flat layout, in ``send``'s dtype (padding slots are
         left as they are: no rank reads them)."""
-        if not self.aliased:
-            if self.flat.dtype == send.dtype:
-                return self.flat[a:b]
+        if not self.aliased:  # 16-bit training: cast the fp32 masters
             return send.copy_(self.flat[a:b])
         for bk in buckets:
             for p, off in zip(bk.params, bk.offsets):
