@@ -51,6 +51,9 @@ class ZeroEngine(torch.nn.Module):
         self._window_count = 0
         self._last_print = time.perf_counter()
         self.timers = WallClockTimers(enabled=bool(config.wall_clock_breakdown), device=self.device)
+        coordinator = getattr(optimizer, "coordinator", None)
+        if coordinator is not None:  # ZeRO-3: its errors name the step
+            coordinator.step = lambda: self.global_steps
 
     # -- DeepSpeed accessors ---------------------------------------------------------------------
     @property
@@ -187,14 +190,15 @@ class ZeroEngine(torch.nn.Module):
             return
         loss = float(self._window_loss.item()) / max(self._window_count, 1)
         if self.global_rank == 0:
-            elapsed = time.perf_counter() - self._last_print
-            norm = self.get_global_grad_norm()
-            logger.info(
-                "step=%d skipped=%d loss=%.4f lr=%s loss_scale=%g grad_norm=%s samples/s=%.1f%s",
-                self.global_steps, self.skipped_steps, loss, [f"{lr:.3g}" for lr in self.get_lr()],
-                self.loss_scale, f"{norm:.4g}" if norm is not None else "n/a",
-                every * self.train_batch_size() / max(elapsed, 1e-9), self.timers.summary(),
-            )
+            with C.on_ranks([0], "printing the training report, which runs on rank 0 only"):
+                elapsed = time.perf_counter() - self._last_print
+                norm = self.get_global_grad_norm()
+                logger.info(
+                    "step=%d skipped=%d loss=%.4f lr=%s loss_scale=%g grad_norm=%s samples/s=%.1f%s",
+                    self.global_steps, self.skipped_steps, loss, [f"{lr:.3g}" for lr in self.get_lr()],
+                    self.loss_scale, f"{norm:.4g}" if norm is not None else "n/a",
+                    every * self.train_batch_size() / max(elapsed, 1e-9), self.timers.summary(),
+                )
         self.timers.reset()
         self._last_print = time.perf_counter()
         self._window_loss.zero_()

@@ -107,6 +107,7 @@ def initialize(
         prefetch_bucket_size=int(z.stage3_prefetch_bucket_size),
         param_persistence_threshold=int(z.stage3_param_persistence_threshold),
     )
+    _note_default_clipping(cfg, group)
     scaler = make_loss_scaler(cfg.fp16)
     zero_opt = (
         Stage3Optimizer(model, param_groups, spec, policy, scaler, group, device)
@@ -123,6 +124,20 @@ def initialize(
     logger.info("zeroshard: ZeRO stage %d, %s, world size %d, %d trainable parameters",
                 spec.stage, policy.param_dtype, engine.world_size, sum(full_numel(p) for p in zero_opt.master.views))
     return engine, zero_opt, loader, scheduler
+
+
+def _note_default_clipping(cfg: Any, group: Any) -> None:
+    """Say once, on rank 0, that the global gradient norm is clipped although the config never asked.
+
+    DeepSpeed 0.19's default ``gradient_clipping`` is 1.0, and we keep it so that a DeepSpeed config
+    trains the same here. Plain PyTorch does not clip, so a user comparing against a PyTorch loop
+    sees different gradients as soon as the norm exceeds 1 (issue 15 was exactly that).
+    """
+    if "gradient_clipping" in cfg.model_fields_set or cfg.gradient_clipping <= 0 or C.rank(group) != 0:
+        return
+    logger.warning("zeroshard: gradient_clipping is not set, so the global gradient norm is clipped at %g "
+                   "(DeepSpeed's default); set \"gradient_clipping\": 0 in the config to train without clipping",
+                   cfg.gradient_clipping)
 
 
 #: Bucket size when the config does not set one. DeepSpeed's default of 5e8 elements makes a

@@ -9,6 +9,7 @@ state, so save and load never touch stage internals beyond these few attributes.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,13 +113,23 @@ def state_piece(value: Any, kind: str, lo: int, s: int, e: int) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64)
 
 
-def module_layout(module: torch.nn.Module, trained: list[TrainedParam]) -> dict[str, Any]:
-    """Names the checkpoint records about the module besides the trained parameters.
+def module_state(engine: Any) -> dict[str, Any]:
+    """``engine.module.state_dict(keep_vars=True)`` without any collective, so that any subset of
+    ranks may call it: ZeRO-3's partitioned parameters are left as their empty placeholders. Read
+    only the keys, the buffers and the parameters that are not trained (never partitioned)."""
+    coordinator = getattr(engine.optimizer, "coordinator", None)
+    with coordinator.placeholders() if coordinator is not None else nullcontext():
+        return engine.module.state_dict(keep_vars=True)  # type: ignore[no-any-return]
+
+
+def module_layout(engine: Any, trained: list[TrainedParam]) -> dict[str, Any]:
+    """Names the checkpoint records about ``engine.module`` besides the trained parameters.
 
     Returns ``module_keys`` (``state_dict()`` order), ``aliases`` (tied names -> first name),
     ``buffers`` and ``frozen`` (name -> tensor, for persistent buffers and parameters that are
-    not trained).
+    not trained). Gathers nothing (rank 0 alone calls it).
     """
+    module = engine.module
     first: dict[int, str] = {}
     aliases: dict[str, str] = {}
     for n, p in module.named_parameters(remove_duplicate=False):
@@ -128,7 +139,7 @@ def module_layout(module: torch.nn.Module, trained: list[TrainedParam]) -> dict[
             first[id(p)] = n
     trained_ids = {id(t.param) for t in trained}
     frozen = {n: p.detach() for n, p in module.named_parameters() if id(p) not in trained_ids}
-    state = module.state_dict(keep_vars=True)
+    state = module_state(engine)
     names = set(first.values()) | set(aliases)
     buffers = {k: v.detach() for k, v in state.items() if k not in names and isinstance(v, torch.Tensor)}
     return {"module_keys": list(state), "aliases": aliases, "buffers": buffers, "frozen": frozen}

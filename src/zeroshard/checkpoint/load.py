@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from zeroshard.checkpoint import collect
 from zeroshard.checkpoint.agree import together
@@ -52,7 +51,7 @@ def _load_weights(src: CheckpointSource, engine: Any, trained: list[collect.Trai
                 tp.master.copy_(src.read_extra(tp.name).reshape(-1)[tp.lo : tp.hi])
         trained_ids = {id(tp.param) for tp in trained}
         live_extra = {n: p for n, p in engine.module.named_parameters() if id(p) not in trained_ids}
-        state = engine.module.state_dict(keep_vars=True)
+        state = collect.module_state(engine)  # names and buffers only: nothing to gather
         names = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}
         live_extra.update({k: v for k, v in state.items() if k not in names and isinstance(v, torch.Tensor)})
         stored = set(src.buffers) | set(src.frozen) | set(src.params)
@@ -155,8 +154,7 @@ def load_checkpoint(engine: Any, load_dir: str | Path, tag: str | None = None, l
         client_state = dict(src.client_state)
     finally:
         src.close()
-    if C.world_size(group) > 1:
-        dist.barrier(group=group)
+    C.barrier(group)
     logger.info("loaded checkpoint %s (%s format, saved by %d ranks at stage %d)", path, src.format,
                 src.world_size, src.zero_stage)
     return str(path), client_state

@@ -71,6 +71,69 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return flat.view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")
 
 
+class SafetensorsWriter:
+    """A safetensors file that the caller fills tensor by tensor, in ``specs`` order (the push
+    form of :func:`write_safetensors`, for callers that must produce the tensors in a loop of
+    their own). :meth:`finish` checks that every tensor came, flushes and fsyncs; close it (or
+    use it as a context manager) in any case.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], specs: Sequence[TensorSpec],
+                 metadata: dict[str, str] | None = None) -> None:
+        header: dict[str, object] = {}
+        if metadata:
+            header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        offset = 0
+        for spec in specs:
+            if spec.name in header:
+                raise CheckpointError(f"{path}: tensor name {spec.name!r} given twice")
+            header[spec.name] = {"dtype": dtype_code(spec.dtype), "shape": list(spec.shape),
+                                 "data_offsets": [offset, offset + spec.nbytes]}
+            offset += spec.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.path, self.specs, self.written = path, list(specs), 0
+        self._file = open(path, "wb")  # closed by close()
+        try:
+            self._file.write(struct.pack("<Q", len(raw)))
+            self._file.write(raw)
+        except BaseException:
+            self._file.close()
+            raise
+
+    def write(self, t: torch.Tensor) -> None:
+        """Append the next tensor (any device; cast and reshaped to its spec)."""
+        if self.written >= len(self.specs):
+            raise CheckpointError(f"{self.path}: more tensors than the {len(self.specs)} announced")
+        spec = self.specs[self.written]
+        if t.numel() != spec.numel:
+            raise CheckpointError(f"{self.path}: {spec.name} has {t.numel()} elements, expected {spec.numel}")
+        self._file.write(tensor_bytes(t.to(spec.dtype)))
+        self.written += 1
+
+    def flush(self) -> None:
+        """Hand what was written so far to the operating system."""
+        self._file.flush()
+
+    def finish(self) -> int:
+        """Flush and fsync the complete file; returns its size in bytes."""
+        if self.written != len(self.specs):
+            raise CheckpointError(f"{self.path}: {self.written} of {len(self.specs)} tensors written")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        return self._file.tell()
+
+    def close(self) -> None:
+        """Close the file (a file not finished is left incomplete)."""
+        self._file.close()
+
+    def __enter__(self) -> SafetensorsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def write_safetensors(path: str | os.PathLike[str], specs: Sequence[TensorSpec],
                       produce: Callable[[TensorSpec], torch.Tensor], metadata: dict[str, str] | None = None,
                       after_each: Callable[[int], None] | None = None) -> int:
@@ -85,32 +148,13 @@ def write_safetensors(path: str | os.PathLike[str], specs: Sequence[TensorSpec],
         metadata: string-to-string ``__metadata__`` of the header.
         after_each: called with the index of each tensor once its bytes are written.
     """
-    header: dict[str, object] = {}
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    offset = 0
-    for spec in specs:
-        if spec.name in header:
-            raise CheckpointError(f"{path}: tensor name {spec.name!r} given twice")
-        header[spec.name] = {"dtype": dtype_code(spec.dtype), "shape": list(spec.shape),
-                             "data_offsets": [offset, offset + spec.nbytes]}
-        offset += spec.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
+    with SafetensorsWriter(path, specs, metadata) as writer:
         for i, spec in enumerate(specs):
-            t = produce(spec)
-            if t.numel() != spec.numel:
-                raise CheckpointError(f"{path}: {spec.name} has {t.numel()} elements, expected {spec.numel}")
-            f.write(tensor_bytes(t.to(spec.dtype)))
+            writer.write(produce(spec))
             if after_each is not None:
-                f.flush()
+                writer.flush()
                 after_each(i)
-        f.flush()
-        os.fsync(f.fileno())
-        return f.tell()
+        return writer.finish()
 
 
 @dataclass(frozen=True)

@@ -127,13 +127,14 @@ def save_checkpoint(engine: Any, save_dir: str | Path, tag: str | None = None, c
         kinds = {tp.name: collect.state_kinds(opt.state.get(tp.master, {}), tp.master, tp.name) for tp in trained}
         if rank != 0:
             return kinds, {}, None
-        layout = collect.module_layout(engine.module, trained)
-        if exclude_frozen_parameters:
-            layout["frozen"] = {}
-        meta = _describe(engine, tag, world, trained, kinds, layout, {} if client_state is None else client_state,
-                         table)
-        root.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
+        with C.on_ranks([0], "preparing the checkpoint, which runs on rank 0 only", group):
+            layout = collect.module_layout(engine, trained)  # gathers nothing
+            if exclude_frozen_parameters:
+                layout["frozen"] = {}
+            meta = _describe(engine, tag, world, trained, kinds, layout,
+                             {} if client_state is None else client_state, table)
+            root.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir()
         return kinds, layout, meta
 
     prepared = _together(prepare, group, "preparing the checkpoint")
@@ -145,7 +146,8 @@ def save_checkpoint(engine: Any, save_dir: str | Path, tag: str | None = None, c
             size = _write_rank_file(tmp / rank_file(rank, world), trained, kinds, opt, rank, world)
             if rank == 0:
                 assert meta is not None
-                meta.files[EXTRA_FILE] = _write_extra(tmp / EXTRA_FILE, layout, table)
+                with C.on_ranks([0], "writing the checkpoint's extra file, which runs on rank 0 only", group):
+                    meta.files[EXTRA_FILE] = _write_extra(tmp / EXTRA_FILE, layout, table)
             fault_point("shard_written", rank)
             return size
 
@@ -155,8 +157,9 @@ def save_checkpoint(engine: Any, save_dir: str | Path, tag: str | None = None, c
 
         def publish() -> None:
             if meta is not None:
-                meta.files.update({rank_file(r, world): int(sizes[r]) for r in range(world)})
-                _publish(meta, tmp, root, tag, save_latest)
+                with C.on_ranks([0], "publishing the checkpoint, which runs on rank 0 only", group):
+                    meta.files.update({rank_file(r, world): int(sizes[r]) for r in range(world)})
+                    _publish(meta, tmp, root, tag, save_latest)
 
         _together(publish, group, "publishing the checkpoint")
     except BaseException:

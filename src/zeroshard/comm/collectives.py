@@ -1,9 +1,11 @@
 """Collectives as plain functions over an explicit process group.
 
 Each returns an async handle (``torch.distributed.Work``) when ``async_op`` is set; callers wait
-on it before touching the output. Nothing here keeps state or reads a global group: the engine
-passes its group down. Shape agreement is checked once at set-up (:func:`check_same_across_ranks`)
-because a size mismatch inside a collective hangs instead of raising.
+on it before touching the output. Nothing here reads a global group: the engine passes its group
+down. Shape agreement is checked once at set-up (:func:`check_same_across_ranks`) because a size
+mismatch inside a collective hangs instead of raising. Every collective here raises at once when
+started inside an :func:`on_ranks` block (code that some ranks do not run; see
+:mod:`zeroshard.comm.subset`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from zeroshard.comm.subset import BLOCKS, refuse
+from zeroshard.comm.subset import on_ranks as on_ranks  # C.on_ranks(ranks, what), next to what it guards
 from zeroshard.errors import DistributedError
 from zeroshard.partition import consecutive_runs
 
@@ -50,6 +54,8 @@ class ReducedRow:
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None,
                    async_op: bool = True) -> dist.Work | None:
     """Sum ``inp`` (``world * out.numel()`` elements) across ranks; rank r receives chunk r."""
+    if BLOCKS.stack:
+        refuse("reduce-scatter")
     if world_size(group) == 1:
         out.copy_(inp)
         return None
@@ -102,6 +108,8 @@ def reduce_scatter_rows(buf: torch.Tensor, group: ProcessGroup | None, tag: int 
     in flight at once (every rank must pass the same). Other backends (NCCL) run a real
     reduce-scatter into a new row.
     """
+    if BLOCKS.stack:
+        refuse("reduce-scatter")
     n = world_size(group)
     rows = buf.view(n, -1)
     if n == 1:
@@ -113,8 +121,10 @@ def reduce_scatter_rows(buf: torch.Tensor, group: ProcessGroup | None, tag: int 
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None,
-               async_op: bool = True) -> dist.Work | None:
-    """Concatenate every rank's ``inp`` into ``out`` in rank order."""
+               async_op: bool = True, what: str = "all-gather") -> dist.Work | None:
+    """Concatenate every rank's ``inp`` into ``out`` in rank order (``what`` names it in errors)."""
+    if BLOCKS.stack:
+        refuse(what)
     if world_size(group) == 1:
         out.copy_(inp)
         return None
@@ -124,6 +134,8 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None,
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, async_op: bool = True,
                op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> dist.Work | None:
     """In-place reduction of ``tensor`` across ranks."""
+    if BLOCKS.stack:
+        refuse("all-reduce")
     if world_size(group) == 1:
         return None
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
@@ -131,8 +143,18 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, async_op: bool 
 
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> None:
     """Blocking broadcast from global rank ``src``."""
+    if BLOCKS.stack:
+        refuse("broadcast")
     if world_size(group) > 1:
         dist.broadcast(tensor, src=src, group=group)
+
+
+def barrier(group: ProcessGroup | None) -> None:
+    """Block until every rank of ``group`` reaches it."""
+    if BLOCKS.stack:
+        refuse("barrier")
+    if world_size(group) > 1:
+        dist.barrier(group=group)
 
 
 def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: ProcessGroup | None,
@@ -142,6 +164,8 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: Proces
     One message per tensor costs a round trip each (hundreds for a transformer); packing them
     into buckets of ``bucket_bytes`` costs one copy in and one copy out instead.
     """
+    if BLOCKS.stack:
+        refuse("broadcast")
     if world_size(group) == 1:
         return
     receiving = dist.get_rank() != src
@@ -165,6 +189,8 @@ def check_same_across_ranks(items: Sequence[str], group: ProcessGroup | None, wh
     Used before any bucketed collective: ranks that built different models would otherwise
     hang inside a collective with mismatched sizes.
     """
+    if BLOCKS.stack:
+        refuse(f"the all-gather checking {what}")
     n = world_size(group)
     if n == 1:
         return

@@ -20,38 +20,49 @@ the units in use plus ``stage3_prefetch_bucket_size``, never by the model size.
 
 Prefetch: every request is appended to a trace. The first pass records it; later passes follow it
 and launch the all-gathers of the next units (up to ``stage3_prefetch_bucket_size`` elements ahead)
-while the current module computes. A request that departs from the trace (train/eval switch, a
-branch not taken) turns prefetching off for the rest of the pass and starts a new recording:
-never an error, only the on-demand path until the order is known again.
+while the current module computes. A request that departs from the trace (a branch taken
+differently, a module repeated or skipped, a train/eval switch) re-aligns the cursor on the next
+place the trace requests that unit, so prefetching resumes after the branch; a unit the trace does
+not know pauses prefetching until a known request comes. A pass that departed becomes the new
+trace. Never an error: at worst the on-demand path. Prefetched units that the pass does not use
+count against the live budget like any other and are evicted least-recently-used.
 """
 
 from __future__ import annotations
 
 import functools
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
+from zeroshard.comm.subset import arrive
 from zeroshard.stages.param_unit import ParamUnit, UnitState
 from zeroshard.stages.units import is_leaf, unit_modules
 
 
-class _PreBackward(torch.autograd.Function):
-    """Identity in forward; in backward, gathers a module's units before its gradients are computed."""
+class _CallInBackward(torch.autograd.Function):
+    """Identity on some tensors; calls ``callback`` when their gradients arrive in backward.
+
+    On a module's outputs, that is just before the module's backward (its units are gathered
+    then); on its inputs, just after it (its units become evictable: a module called several
+    times in one forward needs its parameters again for the backward of each earlier call, and its
+    gradients complete only after the earliest, so without this every unit between the calls
+    would stay pinned for that whole stretch of backward).
+    """
 
     @staticmethod
-    def forward(ctx: Any, coordinator: ParamCoordinator, units: list[ParamUnit], *tensors: torch.Tensor) -> Any:
-        ctx.coordinator = coordinator
-        ctx.units = units
+    def forward(ctx: Any, callback: Callable[[], None], *tensors: torch.Tensor) -> Any:
+        ctx.callback = callback
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        ctx.coordinator.fetch(ctx.units, backward=True)
-        return (None, None, *grads)
+        ctx.callback()
+        return (None, *grads)
 
 
 class ParamCoordinator:
@@ -74,11 +85,19 @@ class ParamCoordinator:
         self.recording: list[ParamUnit] = []
         self.cursor = 0
         self.trace_valid = False
+        #: positions of each unit in ``trace``, to re-align after a departure
+        self._positions: dict[ParamUnit, list[int]] = {}
+        #: whether this pass departed from the trace at least once (then its recording replaces it)
+        self._departed = False
+        #: prefetched units in flight, with the trace position they were prefetched for
+        self._ahead: dict[ParamUnit, int] = {}
         self.peak_gathered_numel = 0
         self._handles: list[Any] = []
         self.gather_count = 0
         self.prefetch_count = 0
         self.last_used: ParamUnit | None = None
+        self.step: Callable[[], int] | None = None  # the engine's step counter, for error messages
+        self._placeholders = 0
         for m in self.module_units:
             self._handles.append(m.register_forward_pre_hook(self._pre_forward))
             self._handles.append(m.register_forward_hook(self._post_forward))
@@ -87,11 +106,25 @@ class ParamCoordinator:
             self._handles.append(m.register_state_dict_post_hook(functools.partial(self._post_state_dict)))
 
     # -- state dicts: full tensors, one module's units at a time --------------------------------
+    @contextmanager
+    def placeholders(self) -> Iterator[None]:
+        """State dicts taken in this block gather nothing: partitioned parameters appear as their
+        empty placeholders. For callers that need only the keys, the buffers and the parameters
+        that are not partitioned (a checkpoint's layout), and may run on some ranks only."""
+        self._placeholders += 1
+        try:
+            yield
+        finally:
+            self._placeholders -= 1
+
     def _pre_state_dict(self, module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
-        self.fetch(self.module_units[module], record=False)
+        if not self._placeholders:
+            self.fetch(self.module_units[module], record=False)
 
     def _post_state_dict(self, module: torch.nn.Module, state_dict: dict[str, Any], prefix: str,
                          local_metadata: Any) -> None:
+        if self._placeholders:
+            return
         for name, p in module.named_parameters(recurse=False):
             if prefix + name in state_dict:
                 # keep_vars=True would hand out the Parameter, empty again once released.
@@ -99,16 +132,36 @@ class ParamCoordinator:
         self.unpin(self.module_units[module])
 
     # -- hooks -------------------------------------------------------------------------------
-    def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
-        self.fetch(self.module_units[module])
-
-    def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+    def _pre_forward(self, module: torch.nn.Module, args: Any) -> Any:
         units = self.module_units[module]
+        self.fetch(units)
+        if not torch.is_grad_enabled():
+            return None
+        idx = [i for i, t in enumerate(args) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:  # the first module: nothing flows back past it, its gradients end the pass
+            return None
+        wrapped = _CallInBackward.apply(functools.partial(self.module_backward_done, units), *(args[i] for i in idx))
+        new_args = list(args)
+        for i, t in zip(idx, wrapped):
+            new_args[i] = t
+        return tuple(new_args)
+
+    def _drop_pins(self, units: Iterable[ParamUnit]) -> None:
         for u in units:
             if u in self.pinned:
                 self.pinned[u] -= 1
                 if not self.pinned[u]:
                     del self.pinned[u]
+
+    def module_backward_done(self, units: list[ParamUnit]) -> None:
+        """A module's backward has finished: its units are evictable again (released at once when
+        all their gradients are written, see :meth:`unit_grads_done`)."""
+        self._drop_pins(units)
+        self._evict()
+
+    def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        units = self.module_units[module]
+        self._drop_pins(units)
         self._evict()
         if not torch.is_grad_enabled():
             return output
@@ -116,7 +169,7 @@ class ParamCoordinator:
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not idx:
             return output
-        wrapped = _PreBackward.apply(self, units, *(flat[i] for i in idx))
+        wrapped = _CallInBackward.apply(functools.partial(self.fetch, units, backward=True), *(flat[i] for i in idx))
         for i, t in zip(idx, wrapped):
             flat[i] = t
         return pytree.tree_unflatten(flat, spec)
@@ -125,10 +178,27 @@ class ParamCoordinator:
     def fetch(self, units: Iterable[ParamUnit], backward: bool = False, record: bool = True) -> None:
         """Make ``units`` gathered and pinned (waiting for a prefetch if one is in flight), then
         prefetch ahead. Forward unpins in the module's post-hook; backward when the unit is released;
-        an explicit gather (``record=False``, not part of the trace) with :meth:`unpin`."""
+        an explicit gather (``record=False``, not part of the trace) with :meth:`unpin`.
+
+        An explicit gather may be started by user code on some ranks only (``if rank == 0:
+        module.state_dict()``): when it involves a partitioned unit (gathered by it, or released
+        by its :meth:`unpin`, which would leave the ranks disagreeing about what is gathered and
+        hang the next forward), every rank first checks in through the c10d store
+        (:func:`~zeroshard.comm.subset.arrive`), so a missing rank is an error naming it rather
+        than a hang. It does not prefetch: it is not part of the forward trace.
+        """
+        if not record:
+            units = list(units)
+            moved = [u for u in units if not u.persistent]
+            if moved:
+                u = next((u for u in moved if u.state is UnitState.SHARDED), moved[0])
+                what = (f"{u.gather_what} (an explicit gather)" if u.state is UnitState.SHARDED
+                        else f"explicit gather of ZeRO-3 unit {u.name!r}, which releases it afterwards,")
+                arrive(u.group, what, None if self.step is None else self.step())
         for u in units:
             if record:
                 self._follow_trace(u)
+            self._ahead.pop(u, None)
             if not u.persistent:
                 self.pinned[u] = self.pinned.get(u, 0) + 1
                 self.live[u] = None
@@ -139,27 +209,39 @@ class ParamCoordinator:
             self.last_used = u
         self._note_peak()
         self._evict()
-        self._prefetch()
+        if record:
+            self._prefetch()
 
     def start_pass(self) -> None:
         """Before the engine's forward: a recording left by forwards without backward is dropped."""
         self.recording = []
         self.cursor = 0
         self.trace_valid = bool(self.trace)
+        self._departed = False
+        self._ahead.clear()
 
     def _follow_trace(self, u: ParamUnit) -> None:
         if len(self.recording) < 4 * len(self.units) + 16:  # generation loops never end a pass
             self.recording.append(u)
         if self.trace_valid and self.cursor < len(self.trace) and self.trace[self.cursor] is u:
             self.cursor += 1
-        else:
-            self.trace_valid = False
+            return
+        # A departure (a branch taken differently, a module repeated or skipped): re-align on the
+        # next place the trace requests this unit, so that prefetching resumes after the branch;
+        # with no such place, prefetching waits for a request the trace knows. Every rank sees the
+        # same requests, so every rank makes the same choice (the all-gathers stay matched).
+        self._departed = True
+        later = next((i for i in self._positions.get(u, ()) if i >= self.cursor), None)
+        self.trace_valid = later is not None
+        if later is not None:
+            self.cursor = later + 1
 
     def _prefetch(self) -> None:
         if not self.trace_valid or self.prefetch_numel <= 0:
             return
         budget = self.prefetch_numel
-        for u in self.trace[self.cursor :]:
+        for i in range(self.cursor, len(self.trace)):
+            u = self.trace[i]
             if u.numel > budget:
                 break
             budget -= u.numel
@@ -167,6 +249,7 @@ class ParamCoordinator:
                 u.launch_gather()
                 self.prefetch_count += 1
                 self.live[u] = None
+                self._ahead[u] = i
 
     def _gathered_numel(self) -> int:
         return sum(u.numel for u in self.live)
@@ -181,16 +264,22 @@ class ParamCoordinator:
         for u in list(self.live):
             if over <= 0:
                 break
-            if u in self.pinned or u is self.last_used or u.state is UnitState.GATHERING:
+            if u in self.pinned or u is self.last_used or self._still_ahead(u):
                 continue
             over -= u.numel
             self.release(u)
+
+    def _still_ahead(self, u: ParamUnit) -> bool:
+        """A prefetch in flight that the trace still expects; one the pass departed from is
+        evictable (it would otherwise stay gathered, unused, until the end of the pass)."""
+        return u.state is UnitState.GATHERING and self.trace_valid and self._ahead.get(u, -1) >= self.cursor
 
     # -- releasing ---------------------------------------------------------------------------
     def release(self, u: ParamUnit) -> None:
         """Release one unit (persistent units stay gathered)."""
         self.pinned.pop(u, None)
         self.live.pop(u, None)
+        self._ahead.pop(u, None)
         if not u.persistent:
             u.release()
 
@@ -213,10 +302,15 @@ class ParamCoordinator:
             self.release(u)
         self.pinned.clear()
         if self.recording:
-            if not (self.trace_valid and self.cursor == len(self.trace)):
+            if self._departed or self.cursor != len(self.trace):
                 self.trace = self.recording
+                self._positions = {}
+                for i, u in enumerate(self.trace):
+                    self._positions.setdefault(u, []).append(i)
             self.recording = []
         self.trace_valid = bool(self.trace)
+        self._departed = False
+        self._ahead.clear()
         self.cursor = 0
 
     def gather_persistent(self) -> None:

@@ -40,6 +40,7 @@ class ParamUnit:
         self.world = C.world_size(group)
         self.persistent = persistent
         self.name = name
+        self.gather_what = f"all-gather of ZeRO-3 unit {name!r}"  # for errors; built once, not per gather
         self.state = UnitState.SHARDED
         self.shapes = [full_shape(p) for p in bucket.params]
         self._pending: tuple[torch.Tensor, dist.Work | None] | None = None
@@ -59,7 +60,7 @@ class ParamUnit:
         if self.state is not UnitState.SHARDED:
             return
         out = torch.empty(self.world * self.bucket.numel, dtype=self.shard.dtype, device=self.shard.device)
-        work = C.all_gather(out, self.shard, self.group)
+        work = C.all_gather(out, self.shard, self.group, what=self.gather_what)
         self._pending = (out, work)
         self.state = UnitState.GATHERING
 

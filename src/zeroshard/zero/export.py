@@ -1,22 +1,27 @@
 """Whole-model output in 16 bits: ``engine.save_16bit_model``.
 
-Rank 0 writes one safetensors file while every rank walks the parameters in the same order; under
-ZeRO-3 each unit is gathered once, streamed to disk parameter by parameter, and released before
-the next, so rank 0 holds about one unit at a time plus the write buffer, never the whole model.
-Tied parameters are written once, under their first name (as Hugging Face does).
+Every rank walks the parameters in the same order; under ZeRO-3 each unit is gathered once (a
+collective, so on every rank) and released before the next, and rank 0 streams each parameter to
+one safetensors file as it comes, so it holds about one unit at a time plus the write buffer, never
+the whole model. Rank 0's writing holds no collective: a failure there (a full disk) is kept until
+the walk is over, then raised on every rank. Tied parameters are written once, under their first
+name (as Hugging Face does).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from zeroshard.checkpoint.safetensors_io import TensorSpec, write_safetensors
+from zeroshard.checkpoint.safetensors_io import SafetensorsWriter, TensorSpec
+from zeroshard.comm import collectives as C
+from zeroshard.errors import CheckpointError
 from zeroshard.partition import full_shape
 
 logger = logging.getLogger("zeroshard")
@@ -26,8 +31,8 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike[str], save_filenam
                      exclude_frozen_parameters: bool = False) -> Path:
     """Write the module's weights in the compute dtype (fp32 when training in fp32) from rank 0.
 
-    Returns the path written (on every rank). A ``.bin`` file name is changed to ``.safetensors``:
-    zeroshard never writes pickles.
+    Collective: call on every rank. Returns the path written (on every rank). A ``.bin`` file name
+    is changed to ``.safetensors``: zeroshard never writes pickles.
     """
     name = Path(save_filename)
     if name.suffix == ".bin":
@@ -37,12 +42,10 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike[str], save_filenam
     path = Path(save_dir) / name
     params = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad or not exclude_frozen_parameters]
     specs = [TensorSpec(n, p.dtype, tuple(full_shape(p))) for n, p in params]
-    by_name = dict(params)
     owner = getattr(engine.optimizer, "gather_context", None)
     current: list[Any] = [None, None]  # (unit, exit callable) gathered now
 
-    def produce(spec: TensorSpec) -> torch.Tensor:
-        p = by_name[spec.name]
+    def produce(p: torch.nn.Parameter) -> torch.Tensor:  # every rank, in the same order
         unit = getattr(p, "_zeroshard_unit", None)
         if unit is not None and unit is not current[0]:
             if current[1] is not None:
@@ -50,20 +53,46 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike[str], save_filenam
             enter, exit_ = owner([p])  # type: ignore[misc]
             enter()
             current[:] = [unit, exit_]
-        return p.detach().cpu()
+        return p.detach()
 
     rank = dist.get_rank() if dist.is_initialized() else 0
+    writer: SafetensorsWriter | None = None
+    error: Exception | None = None
+
+    def on_rank_0(fn: Callable[..., Any], *args: Any) -> Any:
+        """Run rank 0's part of the write; keep its failure for after the walk."""
+        nonlocal error
+        if rank != 0 or error is not None:
+            return None
+        try:
+            with C.on_ranks([0], "writing the 16-bit model, which runs on rank 0 only"):
+                return fn(*args)
+        except Exception as e:  # raised below, once every rank has finished the walk
+            error = e
+            return None
+
+    def open_file() -> SafetensorsWriter:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return SafetensorsWriter(path, specs, metadata={"format": "pt", "written_by": "zeroshard"})
+
     try:
-        if rank == 0:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            size = write_safetensors(path, specs, produce, metadata={"format": "pt", "written_by": "zeroshard"})
-            logger.info("saved %d tensors (%.1f MB) to %s", len(specs), size / 2**20, path)
-        else:
-            for spec in specs:
-                produce(spec)
+        writer = on_rank_0(open_file)
+        for _, p in params:
+            t = produce(p)
+            if writer is not None:
+                on_rank_0(writer.write, t)
+        size: int = on_rank_0(writer.finish) if writer is not None else 0
     finally:
         if current[1] is not None:
             current[1]()
-    if dist.is_initialized():
-        dist.barrier()
+        if writer is not None:
+            writer.close()
+    failed = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+    C.all_reduce(failed, None, async_op=False, op=dist.ReduceOp.MAX)  # also: nobody returns before the file is written
+    if error is not None:
+        raise error
+    if int(failed.item()):
+        raise CheckpointError(f"save_16bit_model: writing {path} failed on rank 0 (see its error)")
+    if rank == 0:
+        logger.info("saved %d tensors (%.1f MB) to %s", len(specs), size / 2**20, path)
     return path

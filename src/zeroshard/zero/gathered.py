@@ -15,7 +15,8 @@ from types import TracebackType
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from zeroshard.comm import collectives as C
 
 
 class GatheredParameters:
@@ -70,8 +71,7 @@ class GatheredParameters:
         owners = self._owned()
         with torch.no_grad():
             for p in self.params:
-                if dist.is_initialized() and dist.get_world_size() > 1:
-                    dist.broadcast(p.data, src=self.modifier_rank)  # type: ignore[arg-type]
+                C.broadcast(p.data, self.modifier_rank, None)  # type: ignore[arg-type]
             for owner, params in owners.items():
                 for p in params:
                     owner.write_back(p)
