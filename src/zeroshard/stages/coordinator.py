@@ -91,6 +91,9 @@ class ParamCoordinator:
         self._departed = False
         #: prefetched units in flight, with the trace position they were prefetched for
         self._ahead: dict[ParamUnit, int] = {}
+        #: this pass's forward requests, one list per module call (its backward runs them in reverse)
+        self._forward_calls: list[list[ParamUnit]] = []
+        self._in_backward = False
         self.peak_gathered_numel = 0
         self._handles: list[Any] = []
         self.gather_count = 0
@@ -195,6 +198,9 @@ class ParamCoordinator:
                 what = (f"{u.gather_what} (an explicit gather)" if u.state is UnitState.SHARDED
                         else f"explicit gather of ZeRO-3 unit {u.name!r}, which releases it afterwards,")
                 arrive(u.group, what, None if self.step is None else self.step())
+        if record:
+            units = list(units)
+            self._note_call(units, backward)
         for u in units:
             if record:
                 self._follow_trace(u)
@@ -219,6 +225,30 @@ class ParamCoordinator:
         self.trace_valid = bool(self.trace)
         self._departed = False
         self._ahead.clear()
+        self._forward_calls = []
+        self._in_backward = False
+
+    def _note_call(self, units: list[ParamUnit], backward: bool) -> None:
+        """Keep this pass's forward calls; at the first backward request of a pass whose forward
+        departed from the trace, predict the backward as that forward in reverse (module calls in
+        reverse order), so that prefetching follows an order that changes every step."""
+        if not backward:
+            if not self._in_backward and len(self._forward_calls) < 4 * len(self.units) + 16:
+                self._forward_calls.append(units)
+            return
+        if self._in_backward:
+            return
+        self._in_backward = True
+        if self._departed and self._forward_calls:
+            self._set_trace(self.recording + [u for call in reversed(self._forward_calls) for u in call])
+            self.cursor = len(self.recording)
+            self.trace_valid = True
+
+    def _set_trace(self, trace: list[ParamUnit]) -> None:
+        self.trace = trace
+        self._positions = {}
+        for i, u in enumerate(trace):
+            self._positions.setdefault(u, []).append(i)
 
     def _follow_trace(self, u: ParamUnit) -> None:
         if len(self.recording) < 4 * len(self.units) + 16:  # generation loops never end a pass
@@ -303,14 +333,13 @@ class ParamCoordinator:
         self.pinned.clear()
         if self.recording:
             if self._departed or self.cursor != len(self.trace):
-                self.trace = self.recording
-                self._positions = {}
-                for i, u in enumerate(self.trace):
-                    self._positions.setdefault(u, []).append(i)
+                self._set_trace(self.recording)
             self.recording = []
         self.trace_valid = bool(self.trace)
         self._departed = False
         self._ahead.clear()
+        self._forward_calls = []
+        self._in_backward = False
         self.cursor = 0
 
     def gather_persistent(self) -> None:
