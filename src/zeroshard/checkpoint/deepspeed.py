@@ -96,7 +96,8 @@ class DeepSpeedSource(CheckpointSource):
                        for n, s in group.items()}
         self._pieces = self._layout3(shapes) if self.zero_stage == 3 else self._layout12(shapes)
         self._states = [self._group_states(o) for o in self._optims]
-        kinds = {k: SCALAR if v.dim() == 0 else SHARDED for st in self._states[0] for k, v in st.items()}
+        kinds = {k: SHARDED if isinstance(v, LazyTensor) and v.dim() > 0 else SCALAR
+                 for st in self._states[0] for k, v in st.items()}
         for p in self.params.values():
             p.state = dict(kinds)
         self.module_keys = list(model["module"].keys())
@@ -232,10 +233,18 @@ class DeepSpeedSource(CheckpointSource):
         return fill_range(pieces, lo, hi, dtype, out, copy, f"{self.path}: {key} of {name}")
 
     def read_scalar(self, key: str, name: str) -> Any:
-        """Per-group scalar state (Adam's ``step``), from the first rank holding the parameter."""
+        """Per-group scalar state (Adam's ``step``), from the first rank holding the parameter.
+
+        DeepSpeed's default optimizers (FusedAdam, DeepSpeedCPUAdam) keep ``step`` as a Python int,
+        ``torch_adam`` as a tensor; zeroshard steps with torch optimizers, which want a tensor."""
         r, g, _ = self._pieces[name][0][2]
         value = self._states[r][g][key]
-        return value.load() if isinstance(value, LazyTensor) else value
+        if isinstance(value, LazyTensor):
+            return value.load()
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise CheckpointError(f"{self.path}: optimizer state {key!r} of rank {r} is a {type(value).__name__}, "
+                                  "expected a tensor or a number")
+        return torch.tensor(float(value), dtype=torch.float32)
 
     def read_extra(self, name: str) -> torch.Tensor:
         """A buffer or an untrained parameter: from the module state dict (stages 1–2) or from every
