@@ -22,18 +22,18 @@ Writes ``benchmarks/results/stage3_order.md``.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.spawned import run_on_ranks  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "stage3_order.md"
 WARMUP = 3
@@ -70,10 +70,7 @@ def orders(variant: str, blocks: int, steps: int) -> list[list[int]]:
     return out
 
 
-def worker(rank: int, world: int, store: str, args: argparse.Namespace, results: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.setdefault("LOCAL_RANK", str(rank))
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+def worker(rank: int, world: int, args: argparse.Namespace) -> list:
     import zeroshard
 
     block = 8 * args.width * args.width + 5 * args.width
@@ -109,10 +106,7 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, results:
                 lines.append((budget, variant, statistics.median(times), statistics.mean(gathers),
                               statistics.mean(prefetches), co.peak_gathered_numel))
             del engine, opt
-    if rank == 0:
-        torch.save(lines, results)
-    dist.barrier()
-    dist.destroy_process_group()
+    return lines
 
 
 def main() -> None:
@@ -122,11 +116,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=12)
     args = ap.parse_args()
-    world = 2
-    with tempfile.TemporaryDirectory() as tmp:
-        results = f"{tmp}/results.pt"
-        mp.start_processes(worker, args=(world, f"{tmp}/store", args, results), nprocs=world, start_method="spawn")
-        lines = torch.load(results, weights_only=True)
+    lines = run_on_ranks(worker, 2, args)
     base = {(b, v): t for b, v, t, *_ in lines}
     n_params = sum(p.numel() for p in Net(args.blocks, args.width).parameters())
     rows = ["| budget | order | step (ms) | × its fixed order | all-gathers / step | of which prefetched "

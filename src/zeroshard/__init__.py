@@ -34,7 +34,12 @@ _LAZY: dict[str, tuple[str, str | None]] = {
         "zeroshard.checkpoint.consolidate", "load_state_dict_from_zero_checkpoint"),
     "zero": ("zeroshard.zero", None),
     "utils": ("zeroshard.utils", None),
+    "runtime": ("zeroshard.runtime", None),
 }
+#: DeepSpeed's memory estimators, ``deepspeed.estimate_zero{2,3}_model_states_mem_needs[_all_live|_all_cold]``
+_ESTIMATORS = tuple(f"estimate_zero{stage}_model_states_mem_needs{suffix}"
+                    for stage in (2, 3) for suffix in ("", "_all_cold", "_all_live"))
+_LAZY.update((name, ("zeroshard.estimate.formulas", name)) for name in _ESTIMATORS)
 
 __all__ = [
     "CheckpointError",
@@ -48,8 +53,10 @@ __all__ = [
     "init_distributed",
     "initialize",
     "load_state_dict_from_zero_checkpoint",
+    "runtime",
     "utils",
     "zero",
+    *_ESTIMATORS,
 ]
 
 

@@ -14,8 +14,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zeroshard.comm import agreement
 from zeroshard.comm import collectives as C
 from zeroshard.comm.groups import local_rank
+from zeroshard.comm.watchdog import guarded
 from zeroshard.monitor.timers import WallClockTimers
 from zeroshard.precision import LossScaler, PrecisionPolicy
 from zeroshard.stages import ZeroOptimizer
@@ -47,6 +49,8 @@ class ZeroEngine(torch.nn.Module):
         self.global_samples = 0
         self.micro_steps = 0
         self.skipped_steps = 0
+        self._forwards = 0  # in this accumulation window (ZeRO-3 only), for the agreement check
+        self._backwards = 0
         self._window_loss = torch.zeros((), dtype=torch.float32, device=self.device)
         self._window_count = 0
         self._last_print = time.perf_counter()
@@ -131,6 +135,7 @@ class ZeroEngine(torch.nn.Module):
         return True
 
     # -- training ----------------------------------------------------------------------------------
+    @guarded("forward of step {step}")
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module, casting floating-point inputs to the compute dtype (``auto_cast``)."""
         args = self.policy.cast_inputs(args)  # type: ignore[assignment]
@@ -138,9 +143,12 @@ class ZeroEngine(torch.nn.Module):
         coordinator = getattr(self.optimizer, "coordinator", None)
         if coordinator is not None:
             coordinator.start_pass()
+        if coordinator is not None and torch.is_grad_enabled():
+            self._forwards += 1  # stages 0-2 may run forwards on some ranks only (no collectives)
         with self.timers("forward"):
             return self.module(*args, **kwargs)
 
+    @guarded("backward of step {step}")
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate ``loss``: divided by the accumulation steps and multiplied by the fp16 scale.
 
@@ -154,12 +162,30 @@ class ZeroEngine(torch.nn.Module):
             scaled = scaled / self.gradient_accumulation_steps()
         if self.scaler.scale != 1.0:
             scaled = scaled.float() * self.scaler.scale
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary or self.zero_optimization_stage() >= 2:  # before this backward reduces anything
+            self._check_agreement()
+        self._backwards += 1
         with self.timers("backward"):
-            self.optimizer.start_backward(self.is_gradient_accumulation_boundary())
+            self.optimizer.start_backward(boundary)
             scaled.backward(retain_graph=retain_graph)
             self.optimizer.finish_backward()
         return loss
 
+    def _check_agreement(self) -> None:
+        """Before this backward reduces gradients: every rank is at the same micro-step and ran as
+        many forwards and backwards (and under ZeRO-3 gathered the same units) in this window
+        (:mod:`zeroshard.comm.agreement`)."""
+        coordinator = getattr(self.optimizer, "coordinator", None)
+        ga = self.gradient_accumulation_steps()
+        values = [self.global_steps, self.micro_steps % ga, self._forwards, self._backwards,
+                  coordinator.window_hash if coordinator is not None else 0]
+        where = f"micro-step {self.micro_steps % ga + 1} of {ga} of optimizer step {self.global_steps}"
+        agreement.check(values, self.group, where,
+                        coordinator.window_log if coordinator is not None else None,
+                        [u.name for u in coordinator.units] if coordinator is not None else None)
+
+    @guarded("optimizer step {step}")
     def step(self) -> None:
         """At an accumulation boundary: reduce, unscale, clip, step the optimizer and scheduler.
 
@@ -169,16 +195,47 @@ class ZeroEngine(torch.nn.Module):
         self.micro_steps += 1
         if not boundary:
             return
+        self._new_window()
         with self.timers("step"):
-            applied = self.optimizer.step()
+            try:
+                applied = self.optimizer.step()
+            except FloatingPointError as e:  # fp16 overflow at the minimum loss scale
+                raise FloatingPointError(f"optimizer step {self.global_steps}: {e}{self._culprit()}") from None
         if applied:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         else:
             self.skipped_steps += 1
+            if not getattr(self.scaler, "dynamic", False):  # fp16's dynamic scaler reports its own
+                self._non_finite()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         self._report()
+
+    def _new_window(self) -> None:
+        self._forwards = self._backwards = 0
+        coordinator = getattr(self.optimizer, "coordinator", None)
+        if coordinator is not None:
+            coordinator.new_window()
+
+    def _culprit(self) -> str:
+        p = getattr(self.optimizer, "nonfinite_param", None)
+        if p is None:
+            return ""
+        name = next((n for n, q in self.module.named_parameters() if q is p), "?")
+        return f" (the first parameter with a NaN or Inf gradient: {name})"
+
+    def _non_finite(self) -> None:
+        """A NaN or Inf gradient without dynamic loss scaling: skip the step with a warning, or
+        raise (``non_finite_gradients``). Every rank sees the same all-reduced norm, so every rank
+        takes the same decision."""
+        text = (f"optimizer step {self.global_steps}: the gradient norm is not finite{self._culprit()}, so the "
+                "step was skipped. A NaN or Inf loss, a learning rate too high for the model, or fp16 without "
+                "dynamic loss scaling cause this; a lower learning rate, gradient clipping or bf16 usually help")
+        if self.config.non_finite_gradients == "raise":
+            raise FloatingPointError(text + " (non_finite_gradients: raise)")
+        if self.global_rank == 0:
+            logger.warning("%s (set non_finite_gradients: raise to stop instead)", text)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget accumulated gradients (the engine already does after every step)."""
@@ -215,6 +272,7 @@ class ZeroEngine(torch.nn.Module):
     def training_dataloader(self, loader: Any) -> None:
         self.__dict__["_training_dataloader"] = loader
 
+    @guarded("save_checkpoint after step {step}")
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict[str, Any] | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """Save a sharded, crash-safe checkpoint to ``save_dir/<tag>`` (DeepSpeed's semantics).
@@ -227,6 +285,7 @@ class ZeroEngine(torch.nn.Module):
 
         return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
+    @guarded("load_checkpoint")
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str | None, Any]:
@@ -241,5 +300,7 @@ class ZeroEngine(torch.nn.Module):
             raise NotYetSupportedError("load_checkpoint(custom_load_fn=...) is not supported", key="custom_load_fn")
         from zeroshard.checkpoint.load import load_checkpoint
 
-        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                               load_lr_scheduler_states, load_module_only)
+        result = load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                                 load_lr_scheduler_states, load_module_only)
+        self._new_window()  # the loaded step starts a whole window (see checkpoint/load.py)
+        return result

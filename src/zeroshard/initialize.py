@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from zeroshard.comm import collectives as C
+from zeroshard.comm import watchdog
 from zeroshard.comm.groups import init_distributed, local_rank
 from zeroshard.config import ZeroshardConfig, load_config
 from zeroshard.device import default_device
@@ -83,6 +85,10 @@ def initialize(
     init_distributed()
     group = None  # the default (world) group: the one the user created, or ours
     cfg = load_config(config, world_size=C.world_size(group), auto_values=auto_values)
+    _check_same_config(cfg, group)
+    if cfg.collective_timeout is not None:
+        watchdog.set_timeout(timedelta(seconds=float(cfg.collective_timeout)), group)
+    watchdog.start_heartbeat()
     device = default_device(local_rank())
     model.to(device)
     if cfg.zero_stage < 3:
@@ -121,6 +127,11 @@ def initialize(
     loader = _dataloader(training_data, cfg, collate_fn, group)
     engine = ZeroEngine(model, zero_opt, cfg, policy, scheduler, group)
     engine.training_dataloader = loader
+    if cfg.checkpoint.auto_resume:
+        path, _ = engine.load_checkpoint(cfg.checkpoint.auto_resume)
+        if C.rank(group) == 0:
+            logger.warning("zeroshard: %s", f"resumed from {path} at step {engine.global_steps}" if path else
+                           f"auto_resume: no checkpoint in {cfg.checkpoint.auto_resume} yet, starting afresh")
     logger.info("zeroshard: ZeRO stage %d, %s, world size %d, %d trainable parameters",
                 spec.stage, policy.param_dtype, engine.world_size, sum(full_numel(p) for p in zero_opt.master.views))
     return engine, zero_opt, loader, scheduler
@@ -151,6 +162,19 @@ def _bucket_numel(zero: Any, key: str) -> int:
     if key in zero.model_fields_set:
         return value
     return min(value, DEFAULT_BUCKET_BYTES // 4)
+
+
+def _check_same_config(cfg: ZeroshardConfig, group: dist.ProcessGroup | None) -> None:
+    """Every rank must train with the same config: a different bucket size or stage on one rank
+    would make collectives of different sizes meet (a hang or garbage), a different learning rate
+    silently diverging replicas. One all-gather of a digest; the first differing key is named."""
+    def flat(prefix: str, value: Any) -> list[str]:
+        if isinstance(value, dict):
+            return [line for k in sorted(value) for line in flat(f"{prefix}.{k}" if prefix else str(k), value[k])]
+        return [f"{prefix} = {value!r}"]
+
+    C.check_same_across_ranks(flat("", cfg.model_dump()), group, "config entries",
+                              "Every rank must pass the same config to initialize().")
 
 
 def _sync_module_states(model: torch.nn.Module, group: dist.ProcessGroup | None) -> None:

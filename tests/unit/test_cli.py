@@ -50,7 +50,7 @@ def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
 
 def test_single_node_defaults_to_standalone_rendezvous(script: str) -> None:
     assert launch.build_torchrun_argv(["--nproc_per_node", "2", script]) == [
-        "--nproc_per_node", "2", "--standalone", script,
+        "--nproc_per_node", "2", "--standalone", "--", script,
     ]
 
 
@@ -70,19 +70,19 @@ def test_script_args_are_never_eaten(script: str) -> None:
         ["--num_gpus", "2", script, "--nproc_per_node", "8", "--master_port", "1", "-m", "x", "--", "--help"]
     )
     assert argv == [
-        "--nproc_per_node", "2", "--standalone",
+        "--nproc_per_node", "2", "--standalone", "--",
         script, "--nproc_per_node", "8", "--master_port", "1", "-m", "x", "--", "--help",
     ]
 
 
 def test_master_addr_gets_deepspeed_default_port(script: str) -> None:
     argv = launch.build_torchrun_argv(["--master_addr", "10.0.0.1", script])
-    assert argv == ["--master_addr", "10.0.0.1", "--master_port", "29500", script]
+    assert argv == ["--master_addr", "10.0.0.1", "--master_port", "29500", "--", script]
     assert launch.DEFAULT_MASTER_PORT == 29500
 
 
 def test_master_port_alone_is_kept(script: str) -> None:
-    assert launch.build_torchrun_argv(["--master_port", "1234", script]) == ["--master_port", "1234", script]
+    assert launch.build_torchrun_argv(["--master_port", "1234", script]) == ["--master_port", "1234", "--", script]
 
 
 def test_multi_node_static(script: str) -> None:
@@ -92,7 +92,7 @@ def test_multi_node_static(script: str) -> None:
     )
     assert argv == [
         "--nproc_per_node", "8", "--nnodes", "2", "--node_rank", "1",
-        "--master_addr", "host0", "--master_port", "6000", script, "--lr", "3e-4",
+        "--master_addr", "host0", "--master_port", "6000", "--", script, "--lr", "3e-4",
     ]
 
 
@@ -109,22 +109,22 @@ def test_rendezvous_options_pass_through(script: str) -> None:
     )
     assert "--standalone" not in argv and "--master_port" not in argv
     assert argv[:4] == ["--nproc_per_node", "2", "--nnodes", "1:4"]
-    pairs = dict(zip(argv[4:-1:2], argv[5:-1:2], strict=True))
+    assert argv[-2:] == ["--", script]
+    pairs = dict(zip(argv[4:-2:2], argv[5:-2:2], strict=True))
     assert pairs == {
         "--rdzv_backend": "c10d", "--rdzv_endpoint": "h:29400", "--rdzv_id": "job7",
         "--rdzv_conf": "timeout=60", "--max_restarts": "3", "--monitor_interval": "0.5",
         "--log_dir": "/tmp/logs",
     }
-    assert argv[-1] == script
 
 
 def test_explicit_standalone_is_not_doubled(script: str) -> None:
-    assert launch.build_torchrun_argv(["--standalone", script]) == ["--standalone", script]
+    assert launch.build_torchrun_argv(["--standalone", script]) == ["--standalone", "--", script]
 
 
 def test_module_mode_skips_file_check() -> None:
     argv = launch.build_torchrun_argv(["-m", "mypkg.train", "--steps", "3"])
-    assert argv == ["--standalone", "--module", "mypkg.train", "--steps", "3"]
+    assert argv == ["--standalone", "--module", "--", "mypkg.train", "--steps", "3"]
 
 
 def test_translated_argv_is_accepted_by_torchrun(script: str) -> None:
@@ -269,3 +269,28 @@ def test_cli_import_does_not_import_torch() -> None:
 def test_version_subprocess() -> None:
     proc = _cli("--version")
     assert proc.returncode == 0 and proc.stdout.startswith("zeroshard ")
+
+
+# ---------------------------------------------------------------- estimate, report
+
+
+def test_estimate_help_subprocess() -> None:
+    proc = _cli("estimate", "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: zeroshard estimate")
+    assert all(flag in proc.stdout for flag in ("--params", "--gpus", "--gpu-memory", "--cpu-memory", "--seq-len"))
+
+
+def test_estimate_subprocess() -> None:
+    proc = _cli("estimate", "--params", "7e9", "--gpus", "8")
+    assert proc.returncode == 0, proc.stderr
+    assert "| 3     | none" in proc.stdout and "not yet (DeepSpeed's numbers)" in proc.stdout
+
+
+def test_report_subprocess() -> None:
+    proc = _cli("report")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("zeroshard report")
+    for text in ("torch ", "NCCL", "gloo", "pinned memory", "async I/O", "fast CPU optimizer", "transformers"):
+        assert text in proc.stdout, text
+    assert "\033[" not in proc.stdout  # not a terminal: no colours

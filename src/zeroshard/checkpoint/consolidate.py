@@ -10,6 +10,7 @@ parameters are included. The Python functions mirror DeepSpeed's ``zero_to_fp32`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -121,8 +122,8 @@ def convert_checkpoint(checkpoint_dir: str | Path, out: str | Path, tag: str | N
 
     ``out`` ending in ``.safetensors`` is the single output file; otherwise it is a directory that
     receives ``model.safetensors``, or, with ``max_shard_size``, Hugging Face shards and index.
-    Each file appears atomically (temporary name, then rename). ``progress(done, total, name)``
-    is called after each tensor.
+    Every file is written under a temporary name and renamed once all are complete, so a failure
+    leaves nothing behind. ``progress(done, total, name)`` is called after each tensor.
     """
     out = Path(out)
     limit = None if max_shard_size is None else parse_size(max_shard_size)
@@ -136,6 +137,7 @@ def convert_checkpoint(checkpoint_dir: str | Path, out: str | Path, tag: str | N
         else:
             files = [out / (SINGLE_FILE if len(shards) == 1 else
                             f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors") for i in range(len(shards))]
+        made_dir = not files[0].parent.exists()
         files[0].parent.mkdir(parents=True, exist_ok=True)
         done, total = 0, len(specs)
 
@@ -148,9 +150,19 @@ def convert_checkpoint(checkpoint_dir: str | Path, out: str | Path, tag: str | N
             return t.to(spec.dtype)
 
         meta: dict[str, Any] = {"format": "pt", "source": str(src.path), "source_format": src.format}
-        for path, shard in zip(files, shards):
-            tmp = path.with_name(f".tmp-{path.name}-{new_nonce()}")
-            write_safetensors(tmp, shard, produce, {k: str(v) for k, v in meta.items()})
+        tmps: list[Path] = []
+        try:  # every file under a temporary name first: a failure leaves no output behind
+            for path, shard in zip(files, shards):
+                tmps.append(path.with_name(f".tmp-{path.name}-{new_nonce()}"))
+                write_safetensors(tmps[-1], shard, produce, {k: str(v) for k, v in meta.items()})
+        except BaseException:
+            for tmp in tmps:
+                tmp.unlink(missing_ok=True)
+            if made_dir:
+                with contextlib.suppress(OSError):
+                    files[0].parent.rmdir()
+            raise
+        for tmp, path in zip(tmps, files):
             os.replace(tmp, path)
         if len(files) > 1:
             index = {"metadata": {"total_size": sum(s.nbytes for s in specs)},

@@ -23,23 +23,44 @@ Flat layouts (what :class:`DeepSpeedSource` maps to per-parameter pieces):
 
 from __future__ import annotations
 
+import functools
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
 from zeroshard.checkpoint.collect import SCALAR, SHARDED
 from zeroshard.checkpoint.source import MASTER, CheckpointSource, SourceParam, fill_range
 from zeroshard.checkpoint.unpickle import InertRecord, LazyTensor, load_restricted, materialize
-from zeroshard.errors import CheckpointError
+from zeroshard.errors import CheckpointError, ZeroshardError
 
 _OPTIM = re.compile(r"^(?:(bf16|fp16)_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 #: Keys DeepSpeed itself puts in the model-states file (not returned as client state on load).
 _DS_KEYS = {"module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size", "data_sampler",
             "random_ltd", "lr_scheduler", "optimizer"}
 _Handle = tuple[int, int, int]  # (rank, flat group, offset of the piece's first element in that group)
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _readable(method: _Method) -> _Method:
+    """Turn what a malformed (damaged or forged) DeepSpeed structure makes ``method`` raise into a
+    :class:`CheckpointError` naming the checkpoint: the files are pickles of whatever DeepSpeed's
+    version wrote, so their shape is checked where it is used, not by a schema."""
+
+    @functools.wraps(method)
+    def checked(self: DeepSpeedSource, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except ZeroshardError:
+            raise
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError, RuntimeError) as e:
+            raise CheckpointError(f"{self.path} is not a DeepSpeed ZeRO checkpoint that zeroshard can read: "
+                                  f"{type(e).__name__}: {e}") from e
+
+    return cast(_Method, checked)
 
 
 def _int(value: Any) -> int:
@@ -70,6 +91,7 @@ class DeepSpeedSource(CheckpointSource):
 
     format = "deepspeed"
 
+    @_readable
     def __init__(self, path: Path) -> None:
         self.path = path
         optim_files = _optim_files(path)
@@ -94,6 +116,9 @@ class DeepSpeedSource(CheckpointSource):
         shapes = model["param_shapes"]
         self.params = {n: SourceParam(n, tuple(int(d) for d in s), g) for g, group in enumerate(shapes)
                        for n, s in group.items()}
+        for p in self.params.values():
+            if not all(0 <= d < 2**63 for d in p.shape):
+                raise CheckpointError(f"{self._model_file}: parameter {p.name!r} has the shape {p.shape}")
         self._pieces = self._layout3(shapes) if self.zero_stage == 3 else self._layout12(shapes)
         self._states = [self._group_states(o) for o in self._optims]
         kinds = {k: SHARDED if isinstance(v, LazyTensor) and v.dim() > 0 else SCALAR
@@ -220,6 +245,7 @@ class DeepSpeedSource(CheckpointSource):
             raise CheckpointError(f"{self.path}: optimizer state {key!r} is not a tensor")
         return value
 
+    @_readable
     def read(self, key: str, name: str, lo: int, hi: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Elements ``[lo, hi)`` of a parameter's fp32 master or sharded optimizer state."""
         pieces = self._pieces[name]
@@ -232,6 +258,7 @@ class DeepSpeedSource(CheckpointSource):
 
         return fill_range(pieces, lo, hi, dtype, out, copy, f"{self.path}: {key} of {name}")
 
+    @_readable
     def read_scalar(self, key: str, name: str) -> Any:
         """Per-group scalar state (Adam's ``step``), from the first rank holding the parameter.
 
@@ -246,13 +273,17 @@ class DeepSpeedSource(CheckpointSource):
                                   "expected a tensor or a number")
         return torch.tensor(float(value), dtype=torch.float32)
 
+    @_readable
     def read_extra(self, name: str) -> torch.Tensor:
         """A buffer or an untrained parameter: from the module state dict (stages 1–2) or from every
         rank's ``frozen_param_fragments`` (stage 3)."""
         module = self._model["module"]
         if name in self.buffers or (name in self.frozen and self.zero_stage < 3):
             frags = self._model.get("frozen_param_fragments") or {}
-            return materialize(frags[name] if name in frags else module[name])
+            value = materialize(frags[name] if name in frags else module[name])
+            if not isinstance(value, torch.Tensor):
+                raise CheckpointError(f"{self._model_file}: {name!r} is a {type(value).__name__}, not a tensor")
+            return value
         if name not in self.frozen:
             raise CheckpointError(f"{self._model_file} has no buffer or frozen parameter {name!r}")
         if self._rank_models is None:

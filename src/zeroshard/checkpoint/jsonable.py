@@ -66,22 +66,39 @@ def encode(obj: Any, table: TensorTable, where: str) -> Any:
 
 
 def decode(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """Inverse of :func:`encode`, with ``tensors`` the table it filled (as read back)."""
+    """Inverse of :func:`encode`, with ``tensors`` the table it filled (as read back).
+
+    Raises:
+        CheckpointError: a tensor reference or a tuple/items marker is malformed or names no tensor.
+    """
     if isinstance(obj, list):
         return [decode(v, tensors) for v in obj]
     if isinstance(obj, dict):
         if len(obj) == 1 and TENSOR in obj:
             name = obj[TENSOR]
-            if name not in tensors:
+            if not isinstance(name, str) or name not in tensors:
                 raise CheckpointError(f"checkpoint metadata refers to a tensor {name!r} that is not stored")
             return tensors[name]
         if len(obj) == 1 and TUPLE in obj:
-            return tuple(decode(v, tensors) for v in obj[TUPLE])
+            return tuple(decode(v, tensors) for v in _marked_list(obj, TUPLE))
         if len(obj) == 1 and ITEMS in obj:
-            return {_hashable(decode(k, tensors)): decode(v, tensors) for k, v in obj[ITEMS]}
+            items = [_marked_list({ITEMS: kv}, ITEMS) for kv in _marked_list(obj, ITEMS)]
+            if any(len(kv) != 2 for kv in items):
+                raise CheckpointError(f"checkpoint metadata has a malformed {ITEMS} entry: {obj!r:.80}")
+            return {_hashable(decode(k, tensors)): decode(v, tensors) for k, v in items}
         return {k: decode(v, tensors) for k, v in obj.items()}
     return obj
 
 
+def _marked_list(obj: dict[str, Any], marker: str) -> list[Any]:
+    if not isinstance(obj[marker], list):
+        raise CheckpointError(f"checkpoint metadata has a malformed {marker} entry: {obj!r:.80}")
+    return obj[marker]
+
+
 def _hashable(key: Any) -> Any:
-    return tuple(_hashable(k) for k in key) if isinstance(key, list) else key
+    if isinstance(key, list):
+        return tuple(_hashable(k) for k in key)
+    if isinstance(key, (dict, torch.Tensor)):
+        raise CheckpointError(f"checkpoint metadata has a {type(key).__name__} as a dict key")
+    return key

@@ -55,6 +55,20 @@ class LazyTensor:
                  stride: tuple[int, ...]) -> None:
         self.storage, self.dtype, self.offset, self.shape, self.stride = storage, dtype, offset, shape, stride
 
+    def _span(self) -> int:
+        """Elements from the first to one past the last that the view touches."""
+        return 1 + sum((d - 1) * s for d, s in zip(self.shape, self.stride)) if self.numel() else 0
+
+    def check(self) -> None:
+        """Raise :class:`CheckpointError` unless the view lies inside its storage (before anything is
+        allocated by a size that the file merely claims)."""
+        esize = torch.empty((), dtype=self.dtype).element_size()
+        if (len(self.stride) != len(self.shape) or self.offset < 0 or min(self.shape, default=0) < 0
+                or min(self.stride, default=0) < 0 or (self.offset + self._span()) * esize > self.storage.nbytes):
+            raise CheckpointError(f"{self.storage.path}: a tensor of shape {self.shape}, stride {self.stride} at "
+                                  f"element {self.offset} lies outside its storage of {self.storage.nbytes} bytes "
+                                  "(truncated or corrupt file)")
+
     def numel(self) -> int:
         """Number of elements."""
         n = 1
@@ -78,6 +92,8 @@ class LazyTensor:
         hi = self.numel() if hi is None else hi
         if not self._contiguous():
             return self.load().reshape(-1)[lo:hi].clone()
+        if not 0 <= lo <= hi <= self.numel():
+            raise CheckpointError(f"{self.storage.path}: range [{lo}, {hi}) outside a tensor of shape {self.shape}")
         buf = torch.empty(hi - lo, dtype=self.dtype) if out is None else out
         if buf.numel():
             self.storage.read((self.offset + lo) * buf.element_size(), buf)
@@ -88,8 +104,7 @@ class LazyTensor:
         if self._contiguous():
             return self.read().view(self.shape)
         esize = torch.empty((), dtype=self.dtype).element_size()
-        span = 1 + sum((d - 1) * s for d, s in zip(self.shape, self.stride)) if self.numel() else 0
-        flat = torch.empty(self.offset + span, dtype=self.dtype)
+        flat = torch.empty(self.offset + self._span(), dtype=self.dtype)
         self.storage.read(0, flat[: self.storage.nbytes // esize])
         return flat.as_strided(self.shape, self.stride, self.offset).clone()
 

@@ -12,6 +12,7 @@ zeroshard also restores each rank's RNG state and the data loader's position.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +29,28 @@ from zeroshard.errors import CheckpointError
 logger = logging.getLogger("zeroshard")
 
 
+def _restore(src: CheckpointSource, what: str, load: Callable[[], None]) -> None:
+    """Hand saved state to its owner's ``load_state_dict``; what the owner rejects (a damaged or
+    forged checkpoint) is raised as a :class:`CheckpointError` naming the checkpoint."""
+    try:
+        load()
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError, RuntimeError) as e:
+        raise CheckpointError(f"{src.path}: cannot restore {what}: {type(e).__name__}: {e}") from e
+
+
+def _check_shape(src: CheckpointSource, name: str, stored: tuple[int, ...], live: tuple[int, ...]) -> None:
+    if stored != live:
+        raise CheckpointError(f"{src.path}: {name!r} has shape {stored} in the checkpoint and {live} in the model")
+
+
 def _check_names(src: CheckpointSource, trained: list[collect.TrainedParam], strict: bool) -> None:
     live = {tp.name: tp for tp in trained}
     stored = set(src.params) | set(src.frozen)
     missing = [n for n in live if n not in stored]
     unexpected = [n for n in src.params if n not in live]
     for n, tp in live.items():
-        if n in src.params and tuple(src.params[n].shape) != tuple(tp.shape):
-            raise CheckpointError(f"{src.path}: parameter {n!r} has shape {tuple(src.params[n].shape)} in the "
-                                  f"checkpoint and {tuple(tp.shape)} in the model")
+        if n in src.params:
+            _check_shape(src, n, tuple(src.params[n].shape), tuple(tp.shape))
     if strict and (missing or unexpected):
         raise CheckpointError(f"{src.path} does not match the model (load_module_strict=True): missing "
                               f"{missing or 'none'}, unexpected {unexpected or 'none'}")
@@ -47,8 +61,10 @@ def _load_weights(src: CheckpointSource, engine: Any, trained: list[collect.Trai
         for tp in trained:
             if tp.name in src.params:
                 src.read(MASTER, tp.name, tp.lo, tp.hi, out=tp.master.data)
-            elif tp.name in src.frozen:
-                tp.master.copy_(src.read_extra(tp.name).reshape(-1)[tp.lo : tp.hi])
+            elif tp.name in src.frozen:  # frozen when saved, trained now
+                value = src.read_extra(tp.name)
+                _check_shape(src, tp.name, tuple(value.shape), tp.shape)
+                tp.master.copy_(value.reshape(-1)[tp.lo : tp.hi])
         trained_ids = {id(tp.param) for tp in trained}
         live_extra = {n: p for n, p in engine.module.named_parameters() if id(p) not in trained_ids}
         state = collect.module_state(engine)  # names and buffers only: nothing to gather
@@ -61,9 +77,7 @@ def _load_weights(src: CheckpointSource, engine: Any, trained: list[collect.Trai
         for n, t in live_extra.items():
             if n in stored:
                 value = src.read_full(n)
-                if value.shape != t.shape:
-                    raise CheckpointError(f"{src.path}: {n!r} has shape {tuple(value.shape)} in the checkpoint and "
-                                          f"{tuple(t.shape)} in the model")
+                _check_shape(src, n, tuple(value.shape), tuple(t.shape))
                 t.data.copy_(value)
 
 
@@ -95,11 +109,11 @@ def _load_optimizer(src: CheckpointSource, engine: Any, trained: list[collect.Tr
     for i, g in enumerate(current["param_groups"]):
         saved = src.param_groups[i] if src.param_groups is not None else {}
         groups.append({**g, **{k: v for k, v in saved.items() if k not in collect.IMPLEMENTATION_KEYS}})
-    opt.load_state_dict({"state": states, "param_groups": groups})
+    _restore(src, "the optimizer state", lambda: opt.load_state_dict({"state": states, "param_groups": groups}))
     scaler, saved_scaler = engine.optimizer.scaler, src.loss_scaler
     if saved_scaler is not None:
         if bool(saved_scaler.get("dynamic")) == bool(getattr(scaler, "dynamic", False)):
-            scaler.load_state_dict(saved_scaler)
+            _restore(src, "the loss scaler", lambda: scaler.load_state_dict(saved_scaler))
         else:
             logger.warning("loss scaler not restored: the checkpoint's is %s, this engine's is %s",
                            "dynamic" if saved_scaler.get("dynamic") else "static",
@@ -108,7 +122,7 @@ def _load_optimizer(src: CheckpointSource, engine: Any, trained: list[collect.Tr
 
 def _load_training_state(src: CheckpointSource, engine: Any, load_lr_scheduler_states: bool) -> None:
     if load_lr_scheduler_states and engine.lr_scheduler is not None and src.lr_scheduler is not None:
-        engine.lr_scheduler.load_state_dict(src.lr_scheduler)
+        _restore(src, "the LR scheduler", lambda: engine.lr_scheduler.load_state_dict(src.lr_scheduler))
     c = src.counters
     engine.global_steps = int(c.get("global_steps", 0))
     engine.global_samples = int(c.get("global_samples", engine.global_steps * engine.train_batch_size()))
@@ -119,10 +133,10 @@ def _load_training_state(src: CheckpointSource, engine: Any, load_lr_scheduler_s
     engine.skipped_steps = int(c.get("skipped_steps", 0))
     rng = src.rng(C.rank(engine.group))
     if rng is not None:
-        restore_rng(*rng)
+        _restore(src, "the RNG state", lambda: restore_rng(*rng))
     loader: Any = getattr(engine, "training_dataloader", None)
     if src.dataloader is not None and hasattr(loader, "load_state_dict"):
-        loader.load_state_dict(src.dataloader)
+        _restore(src, "the data loader position", lambda: loader.load_state_dict(src.dataloader))
 
 
 def load_checkpoint(engine: Any, load_dir: str | Path, tag: str | None = None, load_module_strict: bool = True,

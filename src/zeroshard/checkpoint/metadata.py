@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from zeroshard.checkpoint.collect import NUMBER, SCALAR, SHARDED
+from zeroshard.checkpoint.paths import plain_name
 from zeroshard.errors import CheckpointError
 
 FORMAT = "zeroshard"
@@ -116,8 +119,73 @@ class CheckpointMeta:
         if raw.get("version") != VERSION:
             raise CheckpointError(f"{path} has format version {raw.get('version')}; this zeroshard reads "
                                   f"version {VERSION}")
+        _validate(raw, path)
         try:
             raw["params"] = [ParamMeta(**{**p, "pieces": [Piece(**x) for x in p["pieces"]]}) for p in raw["params"]]
             return cls(**raw)
         except (KeyError, TypeError) as e:
             raise CheckpointError(f"{path} is malformed: {e}") from e
+
+
+def _count(value: Any, least: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _list_of(value: Any, ok: Callable[[Any], bool]) -> bool:
+    return isinstance(value, list) and all(ok(v) for v in value)
+
+
+def _dict_of(value: Any, ok: Callable[[Any], bool]) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) and ok(v) for k, v in value.items())
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _validate(raw: dict[str, Any], path: Path) -> None:
+    """Check the types and ranges of every field that loading uses; errors name the file and the key."""
+
+    def expect(ok: bool, key: str, what: str) -> None:
+        if not ok:
+            raise CheckpointError(f"{path} is malformed: {key} must be {what}")
+
+    expect(_is_str(raw.get("tag")), "tag", "a string")
+    expect(_count(raw.get("world_size"), 1), "world_size", "a positive integer")
+    expect(raw.get("zero_stage") in (0, 1, 2, 3) and _count(raw.get("zero_stage")), "zero_stage", "0, 1, 2 or 3")
+    for key in ("compute_dtype", "optimizer_type"):
+        expect(_is_str(raw.get(key)), key, "a string")
+    files: Any = raw.get("files")
+    expect(_dict_of(files, _count) and all(plain_name(f) for f in files), "files",
+           "a map from file names in the checkpoint directory to sizes")
+    for key in ("module_keys", "buffers", "frozen"):
+        expect(_list_of(raw.get(key), _is_str), key, "a list of names")
+    expect(_dict_of(raw.get("aliases"), _is_str), "aliases", "a map from names to names")
+    expect(_dict_of(raw.get("counters"), _count), "counters", "a map from names to non-negative integers")
+    expect(_dict_of(raw.get("versions", {}), _is_str), "versions", "a map from names to strings")
+    for key, kind in (("param_groups", list), ("lr_scheduler", dict), ("loss_scaler", dict), ("dataloader", dict)):
+        expect(raw.get(key) is None or isinstance(raw[key], kind), key, f"null or a JSON {kind.__name__}")
+    expect(isinstance(raw.get("client_state"), dict), "client_state", "a JSON object")
+    if isinstance(raw.get("param_groups"), list):
+        expect(_list_of(raw["param_groups"], lambda g: isinstance(g, dict)), "param_groups", "a list of objects")
+    params: Any = raw.get("params")
+    expect(isinstance(params, list), "params", "a list")
+    for i, p in enumerate(params):
+        key = f"params[{i}]"
+        expect(isinstance(p, dict) and _is_str(p.get("name")), key, "an object with a name")
+        expect(_list_of(p.get("shape"), _count), f"{key}.shape", "a list of non-negative integers")
+        expect(_count(p.get("group")), f"{key}.group", "a non-negative integer")
+        expect(_dict_of(p.get("state", {}), lambda k: k in (SHARDED, SCALAR, NUMBER)), f"{key}.state",
+               f"a map from names to {SHARDED!r}, {SCALAR!r} or {NUMBER!r}")
+        numel = math.prod(p["shape"])
+        pieces = p.get("pieces")
+
+        def piece(x: Any, numel: int = numel) -> bool:
+            return isinstance(x, dict) and plain_name(x.get("file")) and x["file"] in files \
+                and _count(x.get("start")) and _count(x.get("end"), x["start"]) and x["end"] <= numel
+
+        expect(_list_of(pieces, piece), f"{key}.pieces",
+               f"a list of element ranges within [0, {numel}] of files listed in 'files'")
+        bounds = [0] + [b for x in pieces for b in (x["start"], x["end"])] + [numel]
+        expect(bounds[::2] == bounds[1::2] and len({x["file"] for x in pieces}) == len(pieces), f"{key}.pieces",
+               f"consecutive ranges covering [0, {numel}), one per file")

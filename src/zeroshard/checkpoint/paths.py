@@ -31,14 +31,30 @@ def marker_text(meta_bytes: bytes) -> str:
     return f"sha256:{hashlib.sha256(meta_bytes).hexdigest()}\n"
 
 
+def plain_name(name: object) -> bool:
+    """Whether ``name`` is a plain, visible file name: no directory part, no leading dot, no NUL."""
+    return isinstance(name, str) and bool(name) and not name.startswith(".") and not any(c in name for c in "/\\\0")
+
+
+def plain_tag(tag: str) -> bool:
+    """Whether ``tag`` can name a checkpoint directory: a plain name other than ``latest``."""
+    return plain_name(tag) and tag != LATEST_FILE
+
+
 def read_latest(root: Path) -> str | None:
     """The tag named by ``root/latest``, or ``None`` when there is no such file."""
     path = root / LATEST_FILE
     if not path.is_file():
         return None
-    tag = path.read_text().strip()
+    try:
+        tag = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from e
     if not tag:
         raise CheckpointError(f"{path} is empty; pass tag=... explicitly")
+    if not plain_tag(tag):
+        raise CheckpointError(f"{path} names {tag!r}, which is not a checkpoint tag (a plain directory name); "
+                              "the file is damaged, or pass tag=... explicitly")
     return tag
 
 
@@ -60,7 +76,11 @@ def detect_format(path: Path) -> Format:
         if not marker.is_file() or not meta.is_file():
             raise CheckpointError(f"{path} is an incomplete zeroshard checkpoint (no {MARKER_FILE} marker: its save "
                                   "was interrupted); it is never loaded")
-        if marker.read_text() != marker_text(meta.read_bytes()):
+        try:
+            intact = marker.read_bytes() == marker_text(meta.read_bytes()).encode()
+        except OSError as e:
+            raise CheckpointError(f"cannot read {path}: {e}") from e
+        if not intact:
             raise CheckpointError(f"{meta} does not match the digest in {marker}: the checkpoint is corrupt")
         return "zeroshard"
     if _is_deepspeed(path):

@@ -32,7 +32,7 @@ from zeroshard.checkpoint.agree import together as _together
 from zeroshard.checkpoint.atomic import TMP_PREFIX, fault_point, publish_dir, write_file_atomic, write_file_durable
 from zeroshard.checkpoint.jsonable import TensorTable, encode
 from zeroshard.checkpoint.metadata import EXTRA_FILE, CheckpointMeta, ParamMeta, Piece, master_key, optim_key, rank_file
-from zeroshard.checkpoint.paths import LATEST_FILE, MARKER_FILE, META_FILE, marker_text
+from zeroshard.checkpoint.paths import LATEST_FILE, MARKER_FILE, META_FILE, marker_text, plain_tag
 from zeroshard.checkpoint.rng import capture_rng
 from zeroshard.checkpoint.safetensors_io import TensorSpec, write_safetensors
 from zeroshard.comm import collectives as C
@@ -42,7 +42,7 @@ logger = logging.getLogger("zeroshard")
 
 
 def _check_tag(tag: str) -> str:
-    if not tag or "/" in tag or "\\" in tag or tag.startswith(".") or tag == LATEST_FILE:
+    if not plain_tag(tag):
         raise CheckpointError(f"invalid checkpoint tag {tag!r}: use a plain name such as 'global_step100'")
     return tag
 
@@ -69,7 +69,8 @@ def _write_rank_file(path: Path, trained: list[collect.TrainedParam], kinds: dic
     specs = [TensorSpec(k, t.dtype, tuple(t.shape)) for k, t in sources.items()]
     meta = {"format": "zeroshard", "rank": str(rank), "world_size": str(world), "rng": json.dumps(rng_record)}
     return write_safetensors(path, specs, lambda spec: sources[spec.name], meta,
-                             after_each=lambda i: fault_point("shard_partial", rank) if i == 0 else None)
+                             after_each=lambda i: fault_point("shard_partial", rank) if i == 0 else None,
+                             checksums=True)
 
 
 def _write_extra(path: Path, layout: dict[str, Any], table: TensorTable) -> int:
@@ -77,7 +78,7 @@ def _write_extra(path: Path, layout: dict[str, Any], table: TensorTable) -> int:
     sources.update({f"frozen/{k}": v for k, v in layout["frozen"].items()})
     sources.update(table.tensors)
     specs = [TensorSpec(k, t.dtype, tuple(t.shape)) for k, t in sources.items()]
-    return write_safetensors(path, specs, lambda spec: sources[spec.name], {"format": "zeroshard"})
+    return write_safetensors(path, specs, lambda spec: sources[spec.name], {"format": "zeroshard"}, checksums=True)
 
 
 def _describe(engine: Any, tag: str, world: int, trained: list[collect.TrainedParam],

@@ -152,9 +152,12 @@ class ZeroshardSource(CheckpointSource):
         self.buffers, self.frozen = meta.buffers, meta.frozen
         extra = self._reader(EXTRA_FILE)
         tables = {k: extra.read(k).view(extra.info(k).shape) for k in extra.tensors if k.startswith("meta/")}
-        self.param_groups = decode(meta.param_groups, tables)
-        self.lr_scheduler = decode(meta.lr_scheduler, tables)
-        self.client_state = decode(meta.client_state, tables)
+        try:
+            self.param_groups = decode(meta.param_groups, tables)
+            self.lr_scheduler = decode(meta.lr_scheduler, tables)
+            self.client_state = decode(meta.client_state, tables)
+        except CheckpointError as e:
+            raise CheckpointError(f"{path / META_FILE}: {e}") from None
         self.loss_scaler, self.counters, self.dataloader = meta.loss_scaler, meta.counters, meta.dataloader
 
     def _reader(self, fname: str) -> SafetensorsReader:
@@ -169,6 +172,10 @@ class ZeroshardSource(CheckpointSource):
         """Elements ``[lo, hi)`` of the master or a sharded state, from the pieces that hold them."""
         tkey = self._tensor_key(key, name)
         pieces = self._pieces[name]
+        for s, e, f in pieces:  # before allocating anything by the metadata's word
+            if s < hi and lo < e and self._reader(f).info(tkey).numel != e - s:
+                raise CheckpointError(f"{self.path / f}: {tkey} has {self._reader(f).info(tkey).numel} elements, "
+                                      f"the metadata says {e - s}: the checkpoint is corrupt")
         dtype = self._reader(pieces[0][2]).info(tkey).dtype if pieces else torch.float32
 
         def copy(fname: str, a: int, b: int, dst: torch.Tensor) -> None:
@@ -181,7 +188,11 @@ class ZeroshardSource(CheckpointSource):
         """From the first piece (every piece stores the same value)."""
         fname = self._pieces[name][0][2]
         reader = self._reader(fname)
-        value = reader.read(optim_key(key, name)).reshape(())
+        value = reader.read(optim_key(key, name))
+        if value.numel() != 1:
+            raise CheckpointError(f"{self.path / fname}: {optim_key(key, name)} has {value.numel()} elements, "
+                                  "expected a scalar: the checkpoint is corrupt")
+        value = value.reshape(())
         if self.params[name].state.get(key) == NUMBER:
             return value.item()
         return value
@@ -201,7 +212,13 @@ class ZeroshardSource(CheckpointSource):
             return None
         reader = self._reader(rank_file(rank, self.world_size))
         tensors = {k: reader.read(k).view(reader.info(k).shape) for k in reader.tensors if k.startswith("rng/")}
-        return tensors, json.loads(reader.metadata.get("rng", "{}"))
+        try:
+            record = json.loads(reader.metadata.get("rng", "{}"))
+        except ValueError as e:
+            raise CheckpointError(f"{reader.path}: malformed RNG record: {e}") from e
+        if not isinstance(record, dict):
+            raise CheckpointError(f"{reader.path}: malformed RNG record: not a JSON object")
+        return tensors, record
 
     def close(self) -> None:
         """Close every open shard file."""

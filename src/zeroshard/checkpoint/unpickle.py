@@ -105,7 +105,9 @@ class _StorageType:
 def _rebuild_tensor(storage: Any, offset: int, size: Any, stride: Any, *_: Any) -> LazyTensor:
     if not isinstance(storage, tuple) or len(storage) != 2 or not isinstance(storage[0], LazyStorage):
         raise CheckpointError("malformed tensor record in pickle")
-    return LazyTensor(storage[0], storage[1], int(offset), tuple(int(d) for d in size), tuple(int(s) for s in stride))
+    tensor = LazyTensor(storage[0], storage[1], int(offset), tuple(int(d) for d in size), tuple(int(s) for s in stride))
+    tensor.check()
+    return tensor
 
 
 def _rebuild_parameter(data: Any, *_: Any) -> Any:
@@ -205,24 +207,24 @@ def load_restricted(path: str | Path) -> Any:
     path = Path(path)
     try:
         zf = zipfile.ZipFile(path)
-    except (OSError, zipfile.BadZipFile) as e:
+    except Exception as e:  # OSError, BadZipFile, and for damaged archives UnicodeDecodeError, struct.error...
         raise CheckpointError(f"cannot read {path}: not a torch.save zip archive ({e}); legacy (pre-1.6) "
                               "torch files are not supported") from e
-    with zf:
-        pkls = [n for n in zf.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
-        if len(pkls) != 1:
-            raise CheckpointError(f"{path} is not a torch.save archive (no single */data.pkl entry)")
-        prefix = pkls[0][: -len("/data.pkl")]
-        if f"{prefix}/byteorder" in zf.namelist() and zf.read(f"{prefix}/byteorder").strip() != b"little":
-            raise CheckpointError(f"{path} was written on a big-endian machine; not supported")
-        storages = _storages(zf, path, prefix)
-        with zf.open(pkls[0]) as f:
-            try:
+    try:
+        with zf:
+            pkls = [n for n in zf.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
+            if len(pkls) != 1:
+                raise CheckpointError(f"{path} is not a torch.save archive (no single */data.pkl entry)")
+            prefix = pkls[0][: -len("/data.pkl")]
+            if f"{prefix}/byteorder" in zf.namelist() and zf.read(f"{prefix}/byteorder").strip() != b"little":
+                raise CheckpointError(f"{path} was written on a big-endian machine; not supported")
+            storages = _storages(zf, path, prefix)
+            with zf.open(pkls[0]) as f:
                 return RestrictedUnpickler(f, path, storages).load()
-            except CheckpointError:
-                raise
-            except Exception as e:
-                raise CheckpointError(f"cannot unpickle {path}: {type(e).__name__}: {e}") from e
+    except CheckpointError:
+        raise
+    except Exception as e:  # a damaged archive or pickle: zipfile, zlib and pickle raise many kinds
+        raise CheckpointError(f"cannot unpickle {path}: {type(e).__name__}: {e}") from e
 
 
 __all__ = ["DANGEROUS_MODULES", "InertRecord", "LazyStorage", "LazyTensor", "RestrictedUnpickler", "load_restricted",

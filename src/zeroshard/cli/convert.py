@@ -61,6 +61,9 @@ def main(argv: Sequence[str], prog: str = "zeroshard convert") -> int:
     """Run the command; returns the exit code."""
     parser = build_parser(prog)
     args = parser.parse_args(list(argv))
+    for name in ("checkpoint_dir", "out"):
+        if not isinstance(getattr(args, name), str):  # argparse before 3.12 turns a lone "--" into []
+            parser.error(f"the following arguments are required: {name.upper()}")
     src = Path(args.checkpoint_dir)
     if not src.is_dir():
         parser.error(f"checkpoint directory {src} does not exist")

@@ -213,7 +213,9 @@ def build_torchrun_argv(argv: Sequence[str], prog: str = "zeroshard launch") -> 
                 out.append(option)
         else:
             out += [option, str(value)]
-    return [*out, args.script, *args.script_args]
+    # "--" ends torchrun's options: its parser (allow_abbrev) would otherwise read the script's own
+    # arguments too, and stop at one that abbreviates two of its options (``--max``, ``--log``).
+    return [*out, "--", args.script, *args.script_args]
 
 
 def _check_script(parser: argparse.ArgumentParser, script: str, passed: dict) -> None:
@@ -228,10 +230,39 @@ def _check_script(parser: argparse.ArgumentParser, script: str, passed: dict) ->
         parser.error(f"argument script: {what}: {script!r}")
 
 
+#: Set in the workers' environment: 0 on the first launch, k on the k-th restart (both ways).
+ATTEMPT_ENV = "ZEROSHARD_LAUNCH_ATTEMPT"
+
+
+def _own_restarts(torchrun_argv: list[str]) -> tuple[list[str], int]:
+    """Single-node standalone jobs restart by relaunching torchrun (a fresh rendezvous and store):
+    torchrun's in-place restart of gloo workers sometimes reads the dead workers' addresses
+    (``Gloo connectFullMesh failed ... Connection refused``; seen with torch 2.13 on one host in
+    3 of 4 tries). Returns the argv without ``--max_restarts`` and the restart count; other jobs
+    keep torchrun's elastic restarts (``0`` here)."""
+    options = torchrun_argv[: torchrun_argv.index("--")]
+    if "--standalone" not in options or "--max_restarts" not in options:
+        return torchrun_argv, 0
+    i = options.index("--max_restarts")
+    return torchrun_argv[:i] + torchrun_argv[i + 2 :], int(torchrun_argv[i + 1])
+
+
 def main(argv: Sequence[str], prog: str = "zeroshard launch") -> int:
     """Launch; returns the exit code (that of the first failed worker, or 0)."""
-    torchrun_argv = build_torchrun_argv(argv, prog)
+    torchrun_argv, restarts = _own_restarts(build_torchrun_argv(argv, prog))
+    code = 0
+    for attempt in range(restarts + 1):
+        if attempt:
+            print(f"{prog}: the job failed (exit {code}); restarting it ({attempt} of {restarts})",
+                  file=sys.stderr, flush=True)
+        os.environ[ATTEMPT_ENV] = str(attempt)
+        code = _run_once(torchrun_argv, prog)
+        if code == 0 or code >= 128:  # done, or stopped by a signal: never restarted
+            return code
+    return code
 
+
+def _run_once(torchrun_argv: list[str], prog: str) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("zeroshard.cli.launch", "run a training script on every local rank (wraps torchrun)"),
     "convert": ("zeroshard.cli.convert", "write a checkpoint's consolidated weights as safetensors"),
+    "estimate": ("zeroshard.cli.estimate", "memory per GPU for ZeRO stages 0-3; write a config that fits"),
+    "report": ("zeroshard.cli.report", "versions, accelerators, backends and optional features (like ds_report)"),
 }
 
 

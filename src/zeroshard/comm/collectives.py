@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from zeroshard.comm.subset import BLOCKS, refuse
 from zeroshard.comm.subset import on_ranks as on_ranks  # C.on_ranks(ranks, what), next to what it guards
+from zeroshard.comm.watchdog import STATE
 from zeroshard.errors import DistributedError
 from zeroshard.partition import consecutive_runs
 
@@ -26,6 +28,23 @@ ProcessGroup = dist.ProcessGroup
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the *_tensor names.
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 _all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+def _begin(operation: str) -> None:
+    """Every collective starts here: recorded for failure messages (:mod:`.watchdog`), and refused
+    inside a block that some ranks do not run (:mod:`.subset`)."""
+    STATE.op = operation
+    if BLOCKS.stack:
+        refuse(operation)
+
+
+def _group_timeout(group: ProcessGroup | None) -> timedelta:
+    """The timeout of ``group``'s CPU backend (what its collectives wait at most)."""
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        return pg._get_backend(torch.device("cpu")).options._timeout  # type: ignore[union-attr,no-any-return]
+    except (AttributeError, RuntimeError):
+        return timedelta(minutes=10)
 
 
 def world_size(group: ProcessGroup | None) -> int:
@@ -54,8 +73,7 @@ class ReducedRow:
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None,
                    async_op: bool = True) -> dist.Work | None:
     """Sum ``inp`` (``world * out.numel()`` elements) across ranks; rank r receives chunk r."""
-    if BLOCKS.stack:
-        refuse("reduce-scatter")
+    _begin("reduce-scatter")
     if world_size(group) == 1:
         out.copy_(inp)
         return None
@@ -72,6 +90,9 @@ class _RingReduceScatter(ReducedRow):
 
     def __init__(self, buf: torch.Tensor, group: ProcessGroup | None, tag: int) -> None:
         self.n, self.r, self.group, self.tag = world_size(group), rank(group), group, tag
+        # gloo's point-to-point waits ignore the group's timeout unless given one: a stopped peer
+        # would block them forever.
+        self.timeout = _group_timeout(group)
         self.chunks = buf.view(self.n, -1)
         self.recv = torch.empty_like(self.chunks[0])
         self.next = self._global((self.r + 1) % self.n)
@@ -92,7 +113,7 @@ class _RingReduceScatter(ReducedRow):
         while self.works is not None:
             for w in self.works:
                 if w is not None:
-                    w.wait()
+                    w.wait(self.timeout)
             self.chunks[(self.r - self.step - 2) % self.n].add_(self.recv)
             self.step += 1
             self.works = self._start() if self.step < self.n - 1 else None
@@ -108,8 +129,7 @@ def reduce_scatter_rows(buf: torch.Tensor, group: ProcessGroup | None, tag: int 
     in flight at once (every rank must pass the same). Other backends (NCCL) run a real
     reduce-scatter into a new row.
     """
-    if BLOCKS.stack:
-        refuse("reduce-scatter")
+    _begin(f"reduce-scatter of bucket {tag}")
     n = world_size(group)
     rows = buf.view(n, -1)
     if n == 1:
@@ -123,8 +143,7 @@ def reduce_scatter_rows(buf: torch.Tensor, group: ProcessGroup | None, tag: int 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None,
                async_op: bool = True, what: str = "all-gather") -> dist.Work | None:
     """Concatenate every rank's ``inp`` into ``out`` in rank order (``what`` names it in errors)."""
-    if BLOCKS.stack:
-        refuse(what)
+    _begin(what)
     if world_size(group) == 1:
         out.copy_(inp)
         return None
@@ -134,8 +153,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None,
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, async_op: bool = True,
                op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> dist.Work | None:
     """In-place reduction of ``tensor`` across ranks."""
-    if BLOCKS.stack:
-        refuse("all-reduce")
+    _begin("all-reduce")
     if world_size(group) == 1:
         return None
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
@@ -143,16 +161,14 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, async_op: bool 
 
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> None:
     """Blocking broadcast from global rank ``src``."""
-    if BLOCKS.stack:
-        refuse("broadcast")
+    _begin("broadcast")
     if world_size(group) > 1:
         dist.broadcast(tensor, src=src, group=group)
 
 
 def barrier(group: ProcessGroup | None) -> None:
     """Block until every rank of ``group`` reaches it."""
-    if BLOCKS.stack:
-        refuse("barrier")
+    _begin("barrier")
     if world_size(group) > 1:
         dist.barrier(group=group)
 
@@ -164,8 +180,7 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: Proces
     One message per tensor costs a round trip each (hundreds for a transformer); packing them
     into buckets of ``bucket_bytes`` costs one copy in and one copy out instead.
     """
-    if BLOCKS.stack:
-        refuse("broadcast")
+    _begin("broadcast")
     if world_size(group) == 1:
         return
     receiving = dist.get_rank() != src
@@ -183,14 +198,15 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: Proces
                     x.copy_(piece.view_as(x))
 
 
-def check_same_across_ranks(items: Sequence[str], group: ProcessGroup | None, what: str) -> None:
+def check_same_across_ranks(items: Sequence[str], group: ProcessGroup | None, what: str,
+                            hint: str = "Every rank must build the same model, with the same parameter names, "
+                                        "shapes and order.") -> None:
     """Raise :class:`DistributedError` naming the first differing item if ranks disagree.
 
     Used before any bucketed collective: ranks that built different models would otherwise
     hang inside a collective with mismatched sizes.
     """
-    if BLOCKS.stack:
-        refuse(f"the all-gather checking {what}")
+    _begin(f"the all-gather checking {what}")
     n = world_size(group)
     if n == 1:
         return
@@ -214,6 +230,5 @@ def check_same_across_ranks(items: Sequence[str], group: ProcessGroup | None, wh
     mine = items[index] if index < len(items) else "<missing>"
     raise DistributedError(
         f"{what} differ across ranks at entry {index} (ranks {bad} differ from rank 0; this rank "
-        f"has {mine!r}, {len(items)} entries in all). Every rank must build the same model, with the "
-        "same parameter names, shapes and order."
+        f"has {mine!r}, {len(items)} entries in all). {hint}"
     )

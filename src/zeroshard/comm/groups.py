@@ -17,7 +17,9 @@ from zeroshard.errors import DistributedError
 
 logger = logging.getLogger("zeroshard")
 
-DEFAULT_TIMEOUT = timedelta(minutes=30)
+#: The default collective timeout (config ``collective_timeout``): torch's 30 minutes is far too long
+#: to find out that a job hangs; 10 leaves room for a large checkpoint written while others wait.
+DEFAULT_TIMEOUT = timedelta(minutes=10)
 _ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -60,6 +62,9 @@ def init_distributed(
     backend = dist_backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(local_rank())
+        # Small control messages (shape checks, the agreement check, checkpoint coordination) are
+        # CPU tensors; NCCL moves only CUDA tensors, so CPU ones go through gloo.
+        backend = "cpu:gloo,cuda:nccl"
     env_present = all(k in os.environ for k in _ENV_KEYS)
     if init_method is None and not env_present:
         if world_size not in (-1, 1):

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from zeroshard.config.batch import BATCH_KEYS
 from zeroshard.config.compat import normalize_path
-from zeroshard.config.validation import known_keys, schema_kind, unknown_key_message
+from zeroshard.config.validation import check_json_data, known_keys, schema_kind, unknown_key_message
 from zeroshard.config.zero import ZeroConfig
 from zeroshard.errors import ConfigError
 
@@ -75,7 +75,7 @@ def normalize_auto_values(root: type[BaseModel], auto_values: Mapping[str, Any] 
     """Canonicalize the keys of ``auto_values`` and check that each is a key path of the schema.
 
     Raises:
-        ConfigError: a key is not a config key path, or a value is itself ``"auto"``.
+        ConfigError: a key is not a config key path, or a value is itself ``"auto"`` or not JSON data.
     """
     result: dict[str, Any] = {}
     for raw_key, value in (auto_values or {}).items():
@@ -89,6 +89,7 @@ def normalize_auto_values(root: type[BaseModel], auto_values: Mapping[str, Any] 
             )
         if isinstance(value, str) and value == AUTO:
             raise ConfigError('auto_values must give a concrete value, not "auto"', key=key)
+        check_json_data(value, key)
         result[key] = value
     return result
 

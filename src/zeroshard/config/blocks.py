@@ -71,6 +71,12 @@ class CheckpointConfig(ConfigModel):
     use_node_local_storage: bool = False
     """Each node writes its checkpoint shards to node-local storage."""
 
+    auto_resume: str | None = None
+    """zeroshard only: a checkpoint directory. ``initialize`` loads the checkpoint its ``latest``
+    names when there is one (never one whose save was interrupted), so a job restarted after a
+    failure (``zeroshard launch --max_restarts N``) resumes by itself; the training loop continues
+    from ``engine.global_steps``."""
+
 
 class ActivationCheckpointingConfig(ConfigModel):
     """Activation checkpointing options (used by the activation-checkpointing API)."""

@@ -18,7 +18,7 @@ from zeroshard.config.batch import resolve_batch_sizes
 from zeroshard.config.compat import normalize_aliases, reject_deepspeed_only
 from zeroshard.config.schema import ZeroshardConfig
 from zeroshard.config.support import check_supported
-from zeroshard.config.validation import config_error_from_validation
+from zeroshard.config.validation import check_json_data, config_error_from_validation
 from zeroshard.errors import ConfigError
 
 __all__ = ["ConfigSource", "load_config", "read_config", "to_dict"]
@@ -43,10 +43,13 @@ def _parse_json(text: str, origin: str) -> dict[str, Any]:
         raise ConfigError(
             f"{origin} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
         ) from exc
-    except ValueError as exc:  # duplicate key
+    except ValueError as exc:  # duplicate key, integer of more than 4300 digits
         raise ConfigError(f"{origin} is not a valid config: {exc}") from exc
+    except RecursionError:
+        raise ConfigError(f"{origin} is not a valid config: nested too deeply") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{origin} must contain a JSON object, got {type(data).__name__}")
+    check_json_data(data)  # nesting depth
     return data
 
 
@@ -62,9 +65,10 @@ def read_config(config: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str,
 
     Raises:
         ConfigError: the file is missing or unreadable, or the JSON is invalid (the message names the file
-            and the error position).
+            and the error position); a mapping holds what JSON cannot (objects, non-string keys, a cycle).
     """
     if isinstance(config, Mapping):
+        check_json_data(config)
         return copy.deepcopy(dict(config))
     if isinstance(config, str) and config.strip().startswith("{"):
         return _parse_json(config, "the config JSON string")
@@ -77,8 +81,8 @@ def read_config(config: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str,
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError as exc:
         raise ConfigError(f"config file '{path}' does not exist") from exc
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read config file '{path}': {exc}") from exc
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8, or a NUL byte in the path
+        raise ConfigError(f"cannot read config file {str(path)!r}: {exc}") from exc
     return _parse_json(text, f"config file '{path}'")
 
 

@@ -6,6 +6,8 @@ batch-size arithmetic; the model alone validates types and bounds only.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from pydantic import Field
 
@@ -65,6 +67,16 @@ class ZeroshardConfig(ConfigModel):
 
     wall_clock_breakdown: bool = False
     """Time forward, backward and step and log the breakdown."""
+
+    non_finite_gradients: Literal["skip", "raise"] = "skip"
+    """zeroshard only: what a NaN or Inf gradient does without fp16's dynamic loss scaling (bf16,
+    fp32, static fp16): ``skip`` the step with a warning naming the step and the first parameter
+    with a non-finite gradient, or ``raise`` a ``FloatingPointError`` saying the same."""
+
+    collective_timeout: Float | None = Field(default=None, gt=0)
+    """zeroshard only: seconds a collective may wait for the other ranks before the job fails with
+    an error naming the operation and the ranks that did not arrive (default: the process group's,
+    10 minutes when zeroshard created it)."""
 
     dump_state: bool = False
     """Print the engine state after initialization."""

@@ -2,6 +2,8 @@
 
 Every message names the dotted key path of the culprit (``zero_optimization.stage``); an unknown key
 is reported as ``unknown key 'foo'`` with the closest known key suggested when there is one.
+:func:`check_json_data` rejects, before any of that, what no JSON file can hold (objects, bytes,
+non-string keys, cycles, nesting deeper than :data:`MAX_DEPTH`).
 """
 
 from __future__ import annotations
@@ -9,14 +11,14 @@ from __future__ import annotations
 import difflib
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
 from zeroshard.errors import ConfigError
 
-__all__ = ["config_error_from_validation", "known_keys", "schema_kind", "suggest_key"]
+__all__ = ["MAX_DEPTH", "check_json_data", "config_error_from_validation", "known_keys", "schema_kind", "suggest_key"]
 
 SchemaKind = Literal["model", "dict", "leaf"]
 
@@ -131,3 +133,41 @@ def config_error_from_validation(exc: ValidationError, root: type[BaseModel]) ->
         others = "; ".join(f"{k}: {m}" if k else m for k, m in problems[1:])
         message += f"; also {others}"
     return ConfigError(message, key=key)
+
+
+MAX_DEPTH = 32
+"""Deepest nesting of dicts and lists accepted in a config (DeepSpeed's own configs use 4 levels)."""
+
+
+def check_json_data(value: Any, key: str | None = None, depth: int = 0) -> None:
+    """Check that ``value`` is data a JSON file could hold: dicts with string keys, lists (or tuples),
+    strings, numbers, booleans and None, nested at most :data:`MAX_DEPTH` levels (so cycles fail too).
+
+    Args:
+        value: a config, a part of one, or an ``auto_values`` value.
+        key: dotted key path of ``value``, for the message (None for the whole config).
+        depth: nesting level of ``value``.
+
+    Raises:
+        ConfigError: naming the key path of the first offending value.
+    """
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return
+    if depth >= MAX_DEPTH:
+        problem = f"nested more than {MAX_DEPTH} levels deep (a cycle?)"
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ConfigError(f"keys must be strings, got {_short_repr(k)}", key=key)
+            check_json_data(v, k if key is None else f"{key}.{k}", depth + 1)
+        return
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_json_data(v, f"{key or ''}[{i}]", depth + 1)
+        return
+    else:
+        problem = (f"a {type(value).__module__}.{type(value).__qualname__} is not JSON data "
+                   "(expected a dict, list, string, number, boolean or null)")
+    if key == "":  # the empty key: a dotted path cannot show it
+        problem += " (at key '')"
+    raise ConfigError(problem, key=key or None)

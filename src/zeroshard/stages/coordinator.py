@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from zeroshard.comm import agreement
 from zeroshard.comm.subset import arrive
 from zeroshard.stages.param_unit import ParamUnit, UnitState
 from zeroshard.stages.units import is_leaf, unit_modules
@@ -91,6 +92,10 @@ class ParamCoordinator:
         self._departed = False
         #: prefetched units in flight, with the trace position they were prefetched for
         self._ahead: dict[ParamUnit, int] = {}
+        #: units requested in this accumulation window, hashed and logged for the agreement check
+        self._unit_index = {u: i for i, u in enumerate(units)}
+        self.window_hash = 0
+        self.window_log: list[int] = []
         #: this pass's forward requests, one list per module call (its backward runs them in reverse)
         self._forward_calls: list[list[ParamUnit]] = []
         self._in_backward = False
@@ -201,6 +206,11 @@ class ParamCoordinator:
         if record:
             units = list(units)
             self._note_call(units, backward)
+            for u in units:
+                i = self._unit_index[u]
+                self.window_hash = agreement.extend_hash(self.window_hash, i)
+                if len(self.window_log) < agreement.MAX_LOGGED:
+                    self.window_log.append(i)
         for u in units:
             if record:
                 self._follow_trace(u)
@@ -227,6 +237,11 @@ class ParamCoordinator:
         self._ahead.clear()
         self._forward_calls = []
         self._in_backward = False
+
+    def new_window(self) -> None:
+        """An optimizer step ended the accumulation window: restart the agreement record."""
+        self.window_hash = 0
+        self.window_log = []
 
     def _note_call(self, units: list[ParamUnit], backward: bool) -> None:
         """Keep this pass's forward calls; at the first backward request of a pass whose forward

@@ -102,6 +102,9 @@ class ZeroOptimizer:
         self.optimizer: torch.optim.Optimizer | None = None
         self.global_grad_norm: float | None = None
         self.overflow = False
+        #: after a skipped step: the first parameter whose gradient was NaN or Inf (``None``: none
+        #: was, the norm itself overflowed)
+        self.nonfinite_param: torch.nn.Parameter | None = None
 
     def _make_buckets(self, params: list[torch.nn.Parameter]) -> list[Bucket]:
         layout_world = self.world if self.spec.stage >= 1 else 1
@@ -168,9 +171,11 @@ class ZeroOptimizer:
             torch._foreach_mul_(g32, 1.0 / self.scaler.scale)
         norm = self._global_norm(g32)
         self.overflow = not math.isfinite(norm)
-        self.scaler.update(self.overflow)
+        self.nonfinite_param = self._first_nonfinite(g32) if self.overflow else None
         if self.overflow:
             self.sync.zero()
+        self.scaler.update(self.overflow)  # fp16 at the minimum scale: raises
+        if self.overflow:
             return False
         self.global_grad_norm = norm
         clip = self.spec.gradient_clipping
@@ -185,6 +190,22 @@ class ZeroOptimizer:
         self.sync.zero()
         self.publish()
         return True
+
+    def _first_nonfinite(self, g32: list[torch.Tensor]) -> torch.nn.Parameter | None:
+        """The first parameter (in layout order, over all ranks) with a NaN or Inf gradient. Only
+        after an overflow: one small all-reduce, which every rank makes (they agree on overflow)."""
+        first = len(self.master.slices)
+        for i, (_master, bucket, off, n) in enumerate(self.master.slices):
+            if not torch.isfinite(g32[bucket][off : off + n]).all():
+                first = i
+                break
+        index = torch.tensor([first], dtype=torch.int64)
+        if self.sharded:
+            C.all_reduce(index, self.group, async_op=False, op=dist.ReduceOp.MIN)
+        if int(index) == len(self.master.slices):
+            return None
+        master = self.master.slices[int(index)][0]
+        return next(p for p, m in self.master.views.items() if m is master)
 
     def _global_norm(self, g32: list[torch.Tensor]) -> float:
         local = torch.nn.utils.get_total_norm(g32, norm_type=2.0) if g32 else torch.zeros(())

@@ -1,0 +1,35 @@
+"""Run a function on a few spawned gloo ranks of this machine and get rank 0's result back.
+
+For the small single-purpose benchmarks (``stage3_order.py``, ``agreement_cost.py``); the main
+comparison (``run.py``) starts its workers through ``launch.py`` instead.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, fn: Callable[..., Any], world: int, tmp: str, args: tuple[Any, ...]) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+    result = fn(rank, world, *args)
+    if rank == 0:
+        torch.save(result, f"{tmp}/result.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_on_ranks(fn: Callable[..., Any], world: int, *args: Any) -> Any:
+    """``fn(rank, world, *args)`` on ``world`` spawned ranks (``fn`` at module level); rank 0's
+    return value (plain data and tensors)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_entry, args=(fn, world, tmp, args), nprocs=world, start_method="spawn")
+        return torch.load(f"{tmp}/result.pt", weights_only=True)

@@ -1,0 +1,184 @@
+"""``zeroshard estimate``: memory per GPU and per node for ZeRO stages 0–3, and a config that fits.
+
+``zeroshard estimate MODEL [options]`` or ``zeroshard estimate --params 7e9 [options]``
+
+MODEL is a Hugging Face ``config.json`` (or a directory holding one, or JSON text) or a factory
+``pkg.module:function`` / ``path/file.py:function`` returning an ``nn.Module``; either is built on
+the meta device, so no weight is allocated. The table shows model states, buffers, activations
+(for transformer configs) with and without activation checkpointing, and CPU memory per node, for
+each stage with and without offload. With ``--gpu-memory`` the fastest configuration that fits
+is written as a DeepSpeed config (``-o``, default ``ds_config.json``); when none fits the command
+says why and exits with 1. Bad arguments exit with 2 and a message naming them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from zeroshard.estimate.model_spec import ModelSpec
+
+DTYPES = ("bf16", "fp16", "fp32")
+#: smallest and largest memory figures taken as plausible (per GPU, or per node for the CPU)
+_MEMORY_RANGE = {"--gpu-memory": (16 * 2**20, 64 * 2**40), "--cpu-memory": (16 * 2**20, 1024 * 2**40),
+                 "--activation-bytes": (1, 1024 * 2**40)}
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    """The command's argument parser."""
+    p = argparse.ArgumentParser(
+        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Estimate memory per GPU and per node for ZeRO stages 0-3 (with and without offload), "
+                    "including activations, and optionally write the fastest config that fits.",
+        epilog="examples:\n"
+               "  zeroshard estimate --params 7e9 --gpus 8\n"
+               "  zeroshard estimate path/to/config.json --micro-batch 4 --seq-len 2048 --gpus 8\n"
+               "  zeroshard estimate mypkg.models:build --gpus 8 --gpu-memory 80GB --cpu-memory 512GB\n"
+               "sizes: 80GB = 80e9 bytes, 80GiB = 80*2^30 bytes; counts: 7e9, 7B, 125M.")
+    p.add_argument("model", metavar="MODEL", nargs="?",
+                   help="Hugging Face config.json, a directory with one, JSON text, or pkg.module:function")
+    p.add_argument("--params", metavar="N", help="parameter count instead of MODEL (7e9, 7B, 125M)")
+    p.add_argument("--largest-layer", metavar="N",
+                   help="with --params: parameters of the largest module (default: 5%% of --params)")
+    p.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs per node (default 1)")
+    p.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes (default 1)")
+    p.add_argument("--dtype", choices=DTYPES, default="bf16", help="compute dtype (default bf16)")
+    p.add_argument("--grad-accum-dtype", choices=DTYPES, default="fp32",
+                   help="gradient accumulation dtype, data_types.grad_accum_dtype (default fp32)")
+    p.add_argument("--micro-batch", type=int, default=1, metavar="B", help="micro batch per GPU (default 1)")
+    p.add_argument("--seq-len", type=int, default=None, metavar="S",
+                   help="tokens per sequence (default: 2048, or the model's context if shorter)")
+    p.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa",
+                   help="attention kernel: sdpa/flash (default) or eager (keeps the s^2 softmax)")
+    p.add_argument("--activation-bytes", metavar="SIZE",
+                   help="activation memory per GPU for one micro batch, for models without a transformer config")
+    p.add_argument("--gpu-memory", metavar="SIZE", help="memory per GPU: pick the fastest config that fits")
+    p.add_argument("--cpu-memory", metavar="SIZE", help="CPU memory per node the config must fit (with --gpu-memory)")
+    p.add_argument("--headroom", type=float, default=0.1, metavar="F",
+                   help="fraction of GPU memory kept free for the CUDA context and fragmentation (default 0.1)")
+    p.add_argument("-o", "--output", default="ds_config.json", metavar="PATH",
+                   help="where the chosen config goes (default ds_config.json)")
+    p.add_argument("--deepspeed", action="store_true",
+                   help="also print DeepSpeed's own estimator tables (estimate_zero2/3_..._all_cold)")
+    return p
+
+
+def _human(n: int) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{n} bytes"
+
+
+def parse_memory(text: str, option: str) -> int:
+    """``"80GB"`` -> bytes; a bare number, zero or an implausible size is an error naming ``option``."""
+    from zeroshard.errors import ConfigError
+
+    if not re.search(r"[a-zA-Z]\s*$", text):
+        raise ConfigError(f"{text!r} has no unit; write e.g. 80GB or 80GiB", key=option)
+    from zeroshard.checkpoint.consolidate import parse_size
+
+    try:
+        n = parse_size(text)
+    except ValueError as e:
+        raise ConfigError(str(e), key=option) from e
+    low, high = _MEMORY_RANGE.get(option, (1, 2**62))
+    if not low <= n <= high:
+        raise ConfigError(f"{text} is not a plausible size here (between {_human(low)} and {_human(high)})",
+                          key=option)
+    return n
+
+
+def _spec(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ModelSpec:
+    from zeroshard.estimate.model_spec import parse_count, spec_from_count, spec_from_factory
+
+    if args.params is not None:
+        if args.model is not None:
+            parser.error("give MODEL or --params, not both")
+        largest = parse_count(args.largest_layer, "--largest-layer") if args.largest_layer else None
+        return spec_from_count(parse_count(args.params), largest)
+    if args.model is None:
+        parser.error("give MODEL (a Hugging Face config or pkg.module:function) or --params N")
+    if args.largest_layer is not None:
+        parser.error("--largest-layer goes with --params (a built model's largest layer is measured)")
+    model: str = args.model
+    looks_like_factory = ":" in model and not model.lstrip().startswith("{") and not Path(model).exists()
+    if looks_like_factory:
+        return spec_from_factory(model)
+    from zeroshard.estimate.hf import spec_from_hf_config
+
+    return spec_from_hf_config(model)
+
+
+def _check_numbers(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    for option, value in (("--gpus", args.gpus), ("--nodes", args.nodes), ("--micro-batch", args.micro_batch),
+                          ("--seq-len", args.seq_len)):
+        if value is not None and value < 1:
+            parser.error(f"argument {option}: must be at least 1, got {value}")
+    if not 0 <= args.headroom < 1:
+        parser.error(f"argument --headroom: must be in [0, 1), got {args.headroom}")
+    if args.cpu_memory is not None and args.gpu_memory is None:
+        parser.error("argument --cpu-memory: only used with --gpu-memory (planning)")
+
+
+def main(argv: Sequence[str], prog: str = "zeroshard estimate") -> int:
+    """Run the command; returns the exit code (0, 1 when nothing fits, 2 for bad arguments)."""
+    parser = build_parser(prog)
+    args = parser.parse_args(list(argv))
+    _check_numbers(args, parser)
+    from zeroshard.errors import ConfigError
+
+    try:
+        gpu_memory = parse_memory(args.gpu_memory, "--gpu-memory") if args.gpu_memory else None
+        cpu_memory = parse_memory(args.cpu_memory, "--cpu-memory") if args.cpu_memory else None
+        activation_bytes = parse_memory(args.activation_bytes, "--activation-bytes") if args.activation_bytes else None
+        spec = _spec(args, parser)
+    except ConfigError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+
+    from zeroshard.estimate.planner import Hardware, PlanError, Training, estimate, plan
+    from zeroshard.estimate.table import render_estimate, render_plan
+
+    notes = []
+    seq_len = args.seq_len
+    max_pos = spec.transformer.max_positions if spec.transformer else None
+    if seq_len is None:
+        seq_len = min(2048, max_pos) if isinstance(max_pos, int) and max_pos > 0 else 2048
+    elif isinstance(max_pos, int) and seq_len > max_pos:
+        notes.append(f"note: --seq-len {seq_len} exceeds the model's max_position_embeddings ({max_pos})")
+    hardware = Hardware(args.gpus, args.nodes, gpu_memory, cpu_memory)
+    training = Training(args.dtype, args.grad_accum_dtype, args.micro_batch, seq_len, args.attention, activation_bytes)
+    print(render_estimate(estimate(spec, hardware, training)))
+    for n in notes:
+        print(n)
+    if args.deepspeed:
+        from zeroshard.estimate import formulas
+
+        print()
+        formulas.estimate_zero2_model_states_mem_needs_all_cold(spec.total_params, args.gpus, args.nodes)
+        print()
+        formulas.estimate_zero3_model_states_mem_needs_all_cold(spec.total_params, spec.largest_layer_params,
+                                                                args.gpus, args.nodes)
+    if gpu_memory is None:
+        return 0
+    print()
+    try:
+        chosen = plan(spec, hardware, training, args.headroom)
+    except PlanError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 1
+    out = Path(args.output)
+    try:
+        out.write_text(json.dumps(chosen.config, indent=2) + "\n")
+    except OSError as e:
+        print(f"{prog}: error: cannot write {out}: {e}", file=sys.stderr)
+        return 2
+    print(render_plan(chosen, str(out)))
+    return 0

@@ -1,0 +1,144 @@
+"""zeroshard's own residency per rank: model states, communication buffers, ZeRO-3 gathered units.
+
+The model-state part predicts ``engine.memory_breakdown()`` key by key (Ψ parameters, N ranks,
+``c`` the compute dtype's bytes, ``a`` the gradient-accumulation dtype's, Adam's two fp32
+moments; shards are padded per parameter to a multiple of N, as :mod:`zeroshard.partition` lays
+them out):
+
+====================  ==========  ==========  ==========  =========================
+key                   stage 0     stage 1     stage 2     stage 3
+====================  ==========  ==========  ==========  =========================
+``parameters``        cΨ          cΨ          cΨ          c·(persistent units)
+``parameter_shard``   –           –           –           cΨ/N (16-bit only)
+``gradients``         aΨ          aΨ          aΨ/N        aΨ/N
+``master_weights``    4Ψ (16-bit) 4Ψ/N        4Ψ/N        4Ψ/N
+``optimizer_states``  8Ψ          8Ψ/N        8Ψ/N        8Ψ/N
+====================  ==========  ==========  ==========  =========================
+
+In fp32 training the masters at stages 0–2 are the module's parameters (0 bytes), and at stage 3
+the parameter shard is the master shard. Beyond the model state, a rank holds reused
+communication buffers (stages 2–3: up to 3 reduce buckets in the accumulation dtype; stages 1–2
+with N > 1: 2 all-gather buffer pairs in the compute dtype) and, at ZeRO-3, gathered units: up
+to ``stage3_max_live_parameters`` plus the prefetch and the units in use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from zeroshard.estimate.model_spec import ModelSpec
+from zeroshard.partition import ShardLayout, consecutive_runs
+
+__all__ = ["DTYPE_BYTES", "Buckets", "StateEstimate", "model_states"]
+
+#: bytes per element of the dtype names the config uses
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+#: DeepSpeed's (and zeroshard's) default of ``stage3_param_persistence_threshold``
+PERSISTENCE_THRESHOLD = 100_000
+#: reduce buffers kept at stages 2–3 (``grad_sync.MAX_BUFFERS``) and all-gather slots at stages 1–2
+_REDUCE_BUFFERS, _GATHER_SLOTS = 3, 2
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """The communication and ZeRO-3 budgets of a config (DeepSpeed's defaults)."""
+
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    max_live_parameters: int = 1_000_000_000
+    prefetch_bucket_size: int = 50_000_000
+
+    def config(self, stage: int) -> dict[str, int]:
+        """The ``zero_optimization`` keys for these sizes at ``stage``."""
+        out = {"reduce_bucket_size": self.reduce_bucket_size}
+        if stage in (1, 2):
+            out["allgather_bucket_size"] = self.allgather_bucket_size
+        if stage == 3:
+            out["stage3_max_live_parameters"] = self.max_live_parameters
+            out["stage3_prefetch_bucket_size"] = self.prefetch_bucket_size
+        return out
+
+
+@dataclass(frozen=True)
+class StateEstimate:
+    """Bytes per rank: ``breakdown`` as ``memory_breakdown()`` reports it, plus working buffers."""
+
+    breakdown: dict[str, int]
+    workspace: int
+    gathered: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        """Model state: what ``memory_breakdown()["total"]`` reports."""
+        return self.breakdown["total"]
+
+    @property
+    def buffers(self) -> int:
+        """Communication workspace plus ZeRO-3 gathered parameters."""
+        return self.workspace + self.gathered
+
+
+def _padded(numels: tuple[int, ...] | None, total: int, world: int) -> int:
+    """Elements of one rank's padded shard of every parameter."""
+    if numels is None:
+        return ShardLayout(total, world).shard_numel
+    return sum(ShardLayout(n, world).shard_numel for n in numels)
+
+
+def _largest_run(sizes: list[int] | None, total: int, limit: int) -> tuple[int, int]:
+    """``(largest run, number of runs)`` of consecutive sizes grouped up to ``limit``; with the
+    sizes unknown (a bare count), parameters are assumed small next to ``limit``."""
+    if sizes is None:
+        return min(total, limit), -(-total // limit)
+    runs = consecutive_runs(sizes, lambda n: n, limit)
+    return max(sum(r) for r in runs), len(runs)
+
+
+def model_states(spec: ModelSpec, stage: int, world: int, dtype: str = "bf16", grad_accum_dtype: str = "fp32",
+                 buckets: Buckets | None = None,
+                 persistence_threshold: int = PERSISTENCE_THRESHOLD) -> StateEstimate:
+    """zeroshard's bytes per rank for ``spec`` trained with Adam at ``stage`` on ``world`` ranks.
+
+    Args:
+        spec: the model.
+        stage: ZeRO stage, 0–3.
+        world: data-parallel ranks (GPUs in all nodes).
+        dtype: compute dtype, ``"bf16"``, ``"fp16"`` or ``"fp32"``.
+        grad_accum_dtype: ``data_types.grad_accum_dtype`` (zeroshard's default ``"fp32"``).
+        buckets: bucket sizes and ZeRO-3 budgets (DeepSpeed's defaults when ``None``).
+        persistence_threshold: ``stage3_param_persistence_threshold``.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0-3, got {stage}")
+    buckets = buckets or Buckets()
+    c, a = DTYPE_BYTES[dtype], DTYPE_BYTES[grad_accum_dtype]
+    psi = spec.total_params
+    mixed = c != 4
+    shard = psi if stage == 0 else _padded(spec.param_numels, psi, world)
+    persistent = sum(u for u in spec.units or () if u <= persistence_threshold) if stage == 3 else 0
+    out: dict[str, int] = {"parameters": c * (persistent if stage == 3 else psi)}
+    if stage == 3 and mixed:
+        out["parameter_shard"] = c * shard
+    out["gradients"] = a * (shard if stage >= 2 else psi)
+    out["master_weights"] = 4 * shard if (mixed or stage == 3) else 0
+    out["optimizer_states"] = 8 * shard
+    out["total"] = sum(out.values())
+
+    # Communication buffers, grouped as the stages group parameters (reverse registration order).
+    sizes = spec.units if stage == 3 else spec.param_numels and tuple(reversed(spec.param_numels))
+    padded = None if sizes is None else [ShardLayout(n, world).shard_numel * world for n in sizes]
+    workspace = 0
+    if stage >= 2:
+        largest, count = _largest_run(padded, psi, buckets.reduce_bucket_size)
+        workspace += min(_REDUCE_BUFFERS, count) * largest * a
+    if stage in (1, 2) and world > 1:
+        largest, count = _largest_run(padded, psi, buckets.allgather_bucket_size)
+        workspace += min(_GATHER_SLOTS, count) * (largest // world) * (world + 1) * c
+    gathered = 0
+    if stage == 3:
+        gatherable = sum(u for u in spec.units if u > persistence_threshold) if spec.units else psi
+        biggest = max(spec.units) if spec.units else spec.largest_layer_params
+        gathered = c * min(gatherable, buckets.max_live_parameters + buckets.prefetch_bucket_size + biggest)
+    return StateEstimate(breakdown=out, workspace=workspace, gathered=gathered)
