@@ -236,6 +236,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).norm().item() / scale if scale > 0 else (a - b).norm().item()
 
 
+#: Bound on one tensor's gradient, relative to its own norm. The whole step's gradient and the final
+#: parameters are held to ``tol`` (1e-5); a single small tensor whose gradient nearly cancels (a
+#: bias) can show more: with clipping, the global norm is summed in another order (flat buckets
+#: against torch's per-tensor norms), the parameters drift apart by ~1e-7 and that tensor's
+#: gradient by up to ~1.4e-5 (measured; without clipping the same cases are bit-identical). A
+#: missing or stale contribution is an error of order 1 on its tensor.
+TENSOR_TOL = 1e-3
+
+
 def compare(case: Case, ranks: list[dict[str, Any]], ref: dict[str, Any], tol: float = 1e-5) -> list[str]:
     """Every disagreement between the ranks' results and the reference (empty: parity)."""
     problems = []
@@ -246,6 +255,7 @@ def compare(case: Case, ranks: list[dict[str, Any]], ref: dict[str, Any], tol: f
     if problems:
         return problems
     for step, want in enumerate(ref["grads"]):
+        step_got, step_want = [], []
         for name, g in want.items():
             got = [res["grads"][step].get(name) for res in ranks]
             if g is None:
@@ -264,8 +274,14 @@ def compare(case: Case, ranks: list[dict[str, Any]], ref: dict[str, Any], tol: f
                 problems.append(f"step {step} {name}: gradient elements missing on every rank")
                 continue
             err = _rel(full, g.reshape(-1))
-            if err > tol:
+            if err > TENSOR_TOL:
                 problems.append(f"step {step} {name}: gradient rel. error {err:.2e}")
+            step_got.append(full)
+            step_want.append(g.reshape(-1))
+        if step_want:
+            err = _rel(torch.cat(step_got), torch.cat(step_want))
+            if err > tol:
+                problems.append(f"step {step}: the optimizer's gradient has rel. error {err:.2e}")
     for r, res in enumerate(ranks):
         live = res.get("live")
         # ZeRO-3: gathered at once at most the live budget, the prefetch window and the units in use

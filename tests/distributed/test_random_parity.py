@@ -81,8 +81,14 @@ def test_compare_catches_a_wrong_gradient_and_a_wrong_skip() -> None:
     assert compare(case, [as_rank(ref)], ref) == []
     wrong = as_rank(ref)
     name = next(n for n, g in ref["grads"][1].items() if g is not None)
-    wrong["grads"][1][name][2].mul_(1.001)
-    assert any("gradient rel. error" in p for p in compare(case, [wrong], ref))
+    wrong["grads"][1][name][2].mul_(1.01)  # one tensor off by 1%
+    assert any(f"step 1 {name}: gradient rel. error" in p for p in compare(case, [wrong], ref))
+    subtle = as_rank(ref)  # every tensor of a step off by 5e-5: only the whole-step bound sees it
+    for entry in subtle["grads"][2].values():
+        if entry is not None:
+            entry[2].mul_(1 + 5e-5)
+    step2 = [p for p in compare(case, [subtle], ref) if "step 2" in p]
+    assert len(step2) == 1 and step2[0].startswith("step 2: the optimizer's gradient has rel. error"), step2
     spurious = as_rank(ref)
     unused = [(s, n) for s, step in enumerate(ref["grads"]) for n, g in step.items() if g is None]
     if unused:

@@ -30,7 +30,7 @@ def together(fn: Callable[[], T], group: dist.ProcessGroup | None, what: str) ->
         result = fn()
     except Exception as e:  # re-raised below, once every rank knows
         error = e
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=C.control_device(group))
     C.all_reduce(flag, group, async_op=False, op=dist.ReduceOp.MAX)
     if error is not None:
         raise error

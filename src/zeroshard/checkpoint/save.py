@@ -48,7 +48,7 @@ def _check_tag(tag: str) -> str:
 
 
 def _nonce(group: dist.ProcessGroup | None) -> str:
-    value = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
+    value = torch.tensor([secrets.randbits(62)], dtype=torch.int64, device=C.control_device(group))
     C.broadcast(value, src=0, group=group)  # every rank uses rank 0's
     return f"{int(value.item()) & 0xFFFFFFFF:08x}"
 
@@ -152,7 +152,7 @@ def save_checkpoint(engine: Any, save_dir: str | Path, tag: str | None = None, c
             fault_point("shard_written", rank)
             return size
 
-        sizes = torch.zeros(world, dtype=torch.int64)
+        sizes = torch.zeros(world, dtype=torch.int64, device=C.control_device(group))
         sizes[rank] = int(_together(write, group, "writing the shard files") or 0)
         C.all_reduce(sizes, group, async_op=False)
 

@@ -40,8 +40,9 @@ def check(values: list[int], group: dist.ProcessGroup | None, where: str,
     world = C.world_size(group)
     if world == 1:
         return
-    mine = torch.tensor(values, dtype=torch.int64)
-    rows = torch.empty(world, len(values), dtype=torch.int64)
+    device = C.control_device(group)
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    rows = torch.empty(world, len(values), dtype=torch.int64, device=device)
     C.all_gather(rows.view(-1), mine, group, async_op=False, what="all-gather of the per-step agreement check")
     if bool((rows == rows[0]).all()):
         return
@@ -64,13 +65,14 @@ def check(values: list[int], group: dist.ProcessGroup | None, where: str,
 def _first_divergence(sequence: list[int], group: dist.ProcessGroup | None, world: int,
                       names: list[str]) -> str:
     """Where the ranks' ZeRO-3 gather sequences first differ (one more, larger all-gather)."""
-    length = torch.tensor([len(sequence)], dtype=torch.int64)
-    lengths = torch.empty(world, dtype=torch.int64)
+    device = C.control_device(group)
+    length = torch.tensor([len(sequence)], dtype=torch.int64, device=device)
+    lengths = torch.empty(world, dtype=torch.int64, device=device)
     C.all_gather(lengths, length, group, async_op=False, what="all-gather of gather-sequence lengths")
     longest = int(lengths.max())
-    mine = torch.full((longest,), -1, dtype=torch.int64)
-    mine[: len(sequence)] = torch.tensor(sequence, dtype=torch.int64)
-    rows = torch.empty(world, longest, dtype=torch.int64)
+    mine = torch.full((longest,), -1, dtype=torch.int64, device=device)
+    mine[: len(sequence)] = torch.tensor(sequence, dtype=torch.int64, device=device)
+    rows = torch.empty(world, longest, dtype=torch.int64, device=device)
     C.all_gather(rows.view(-1), mine, group, async_op=False, what="all-gather of gather sequences")
     differs = (rows != rows[0]).any(dim=0).nonzero()
     if differs.numel() == 0:

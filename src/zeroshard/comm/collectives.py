@@ -47,6 +47,19 @@ def _group_timeout(group: ProcessGroup | None) -> timedelta:
         return timedelta(minutes=10)
 
 
+def control_device(group: ProcessGroup | None) -> torch.device:
+    """Where small control tensors (flags, sizes, digests) go: the CPU when ``group`` has a CPU
+    backend (gloo, or zeroshard's own ``cpu:gloo,cuda:nccl`` group), else the current CUDA device
+    (a process group the user created with NCCL alone moves CUDA tensors only)."""
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        pg._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
+    except (RuntimeError, AttributeError):
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def world_size(group: ProcessGroup | None) -> int:
     """Size of ``group`` (1 when torch.distributed is not initialized)."""
     return dist.get_world_size(group) if dist.is_initialized() else 1
@@ -211,18 +224,20 @@ def check_same_across_ranks(items: Sequence[str], group: ProcessGroup | None, wh
     if n == 1:
         return
     digest = hashlib.sha256("\n".join(items).encode()).digest()[:8]
-    local = torch.tensor(list(digest), dtype=torch.uint8)
+    device = control_device(group)
+    local = torch.tensor(list(digest), dtype=torch.uint8, device=device)
     gathered = [torch.empty_like(local) for _ in range(n)]
     dist.all_gather(gathered, local, group=group)
     if all(torch.equal(g, gathered[0]) for g in gathered):
         return
     # Second round, only on failure: compare item by item to name the first culprit.
-    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
-    dist.all_gather(lengths, torch.tensor([len(items)]), group=group)
+    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
+    dist.all_gather(lengths, torch.tensor([len(items)], device=device), group=group)
     longest = int(max(t.item() for t in lengths))
     hashes = torch.zeros(longest, 8, dtype=torch.uint8)
     for i, item in enumerate(items):
         hashes[i] = torch.tensor(list(hashlib.sha256(item.encode()).digest()[:8]), dtype=torch.uint8)
+    hashes = hashes.to(device)
     all_hashes = [torch.empty_like(hashes) for _ in range(n)]
     dist.all_gather(all_hashes, hashes, group=group)
     index = next(i for i in range(longest) if any(not torch.equal(h[i], all_hashes[0][i]) for h in all_hashes))

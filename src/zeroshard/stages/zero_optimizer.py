@@ -199,7 +199,7 @@ class ZeroOptimizer:
             if not torch.isfinite(g32[bucket][off : off + n]).all():
                 first = i
                 break
-        index = torch.tensor([first], dtype=torch.int64)
+        index = torch.tensor([first], dtype=torch.int64, device=C.control_device(self.group))
         if self.sharded:
             C.all_reduce(index, self.group, async_op=False, op=dist.ReduceOp.MIN)
         if int(index) == len(self.master.slices):

@@ -87,7 +87,7 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike[str], save_filenam
             current[1]()
         if writer is not None:
             writer.close()
-    failed = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+    failed = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=C.control_device(None))
     C.all_reduce(failed, None, async_op=False, op=dist.ReduceOp.MAX)  # also: nobody returns before the file is written
     if error is not None:
         raise error
