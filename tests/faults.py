@@ -29,7 +29,7 @@ import torch
 
 SCRIPT = Path(__file__).resolve().parent / "fault_train.py"
 TIMEOUT_S = 5.0
-MARGIN_S = 45.0
+MARGIN_S = 60.0
 STEPS = 6
 POINTS = ("forward", "backward", "step", "save")
 

@@ -59,6 +59,8 @@ from zeroshard.errors import ZeroshardError
 
 SCALE = float(os.environ.get("ZEROSHARD_FUZZ_SCALE", "1"))  # more examples for a longer search
 FUZZ = settings(max_examples=int(150 * SCALE), deadline=None,
+                # CI (CI=true) replays the same examples every run; elsewhere each run explores anew
+                derandomize=bool(os.environ.get("CI")),
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 TAG, OLD_TAG = "step2", "step1"
 MARKER_NAME = "PWNED"

@@ -29,6 +29,8 @@ from zeroshard.optim import build_optimizer, build_scheduler
 
 SCALE = float(os.environ.get("ZEROSHARD_FUZZ_SCALE", "1"))  # more examples for a longer search
 FUZZ = settings(max_examples=int(200 * SCALE), deadline=None,
+                # CI (CI=true) replays the same examples every run; elsewhere each run explores anew
+                derandomize=bool(os.environ.get("CI")),
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
 WORLD = 2
 
