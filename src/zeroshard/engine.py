@@ -55,9 +55,10 @@ class ZeroEngine(torch.nn.Module):
         self._window_count = 0
         self._last_print = time.perf_counter()
         self.timers = WallClockTimers(enabled=bool(config.wall_clock_breakdown), device=self.device)
-        coordinator = getattr(optimizer, "coordinator", None)
-        if coordinator is not None:  # ZeRO-3: its errors name the step
-            coordinator.step = lambda: self.global_steps
+        #: ZeRO-3's parameter coordinator (``None`` at stages 0-2)
+        self._coordinator = getattr(optimizer, "coordinator", None)
+        if self._coordinator is not None:  # its errors name the step
+            self._coordinator.step = lambda: self.global_steps
 
     # -- DeepSpeed accessors ---------------------------------------------------------------------
     @property
@@ -140,11 +141,10 @@ class ZeroEngine(torch.nn.Module):
         """Run the module, casting floating-point inputs to the compute dtype (``auto_cast``)."""
         args = self.policy.cast_inputs(args)  # type: ignore[assignment]
         kwargs = self.policy.cast_inputs(kwargs)  # type: ignore[assignment]
-        coordinator = getattr(self.optimizer, "coordinator", None)
-        if coordinator is not None:
-            coordinator.start_pass()
-        if coordinator is not None and torch.is_grad_enabled():
-            self._forwards += 1  # stages 0-2 may run forwards on some ranks only (no collectives)
+        if self._coordinator is not None:
+            self._coordinator.start_pass()
+            if torch.is_grad_enabled():
+                self._forwards += 1  # stages 0-2 may run forwards on some ranks only (no collectives)
         with self.timers("forward"):
             return self.module(*args, **kwargs)
 
@@ -176,14 +176,13 @@ class ZeroEngine(torch.nn.Module):
         """Before this backward reduces gradients: every rank is at the same micro-step and ran as
         many forwards and backwards (and under ZeRO-3 gathered the same units) in this window
         (:mod:`zeroshard.comm.agreement`)."""
-        coordinator = getattr(self.optimizer, "coordinator", None)
+        co = self._coordinator
         ga = self.gradient_accumulation_steps()
         values = [self.global_steps, self.micro_steps % ga, self._forwards, self._backwards,
-                  coordinator.window_hash if coordinator is not None else 0]
+                  co.window_hash if co is not None else 0]
         where = f"micro-step {self.micro_steps % ga + 1} of {ga} of optimizer step {self.global_steps}"
-        agreement.check(values, self.group, where,
-                        coordinator.window_log if coordinator is not None else None,
-                        [u.name for u in coordinator.units] if coordinator is not None else None)
+        agreement.check(values, self.group, where, co.window_log if co is not None else None,
+                        co.unit_names if co is not None else None)
 
     @guarded("optimizer step {step}")
     def step(self) -> None:
@@ -214,9 +213,8 @@ class ZeroEngine(torch.nn.Module):
 
     def _new_window(self) -> None:
         self._forwards = self._backwards = 0
-        coordinator = getattr(self.optimizer, "coordinator", None)
-        if coordinator is not None:
-            coordinator.new_window()
+        if self._coordinator is not None:
+            self._coordinator.new_window()
 
     def _culprit(self) -> str:
         p = getattr(self.optimizer, "nonfinite_param", None)

@@ -22,7 +22,7 @@ def together(fn: Callable[[], T], group: dist.ProcessGroup | None, what: str) ->
     """Run ``fn`` on every rank; if it raised anywhere, raise on every rank.
 
     The failing rank re-raises its own exception; the others raise :class:`CheckpointError`
-    saying that another rank failed while ``what``.
+    saying ``"<what> failed on rank <r>"``. One small all-gather, which is also a barrier.
     """
     error: Exception | None = None
     result: T | None = None
@@ -30,10 +30,15 @@ def together(fn: Callable[[], T], group: dist.ProcessGroup | None, what: str) ->
         result = fn()
     except Exception as e:  # re-raised below, once every rank knows
         error = e
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=C.control_device(group))
-    C.all_reduce(flag, group, async_op=False, op=dist.ReduceOp.MAX)
+    world = C.world_size(group)
+    device = C.control_device(group)
+    flags = torch.empty(world, dtype=torch.int64, device=device)
+    mine = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=device)
+    C.all_gather(flags, mine, group, async_op=False, what=f"all-gather of failure flags ({what})")
     if error is not None:
         raise error
-    if int(flag.item()):
-        raise CheckpointError(f"checkpoint {what} failed on another rank (see that rank's error)")
+    failed = [r for r, f in enumerate(flags.tolist()) if f]
+    if failed:
+        raise CheckpointError(f"{what} failed on rank{'s' if len(failed) > 1 else ''} "
+                              f"{', '.join(map(str, failed))} (see that rank's error)")
     return result  # type: ignore[return-value]

@@ -64,20 +64,11 @@ def check(values: list[int], group: dist.ProcessGroup | None, where: str,
 
 def _first_divergence(sequence: list[int], group: dist.ProcessGroup | None, world: int,
                       names: list[str]) -> str:
-    """Where the ranks' ZeRO-3 gather sequences first differ (one more, larger all-gather)."""
-    device = C.control_device(group)
-    length = torch.tensor([len(sequence)], dtype=torch.int64, device=device)
-    lengths = torch.empty(world, dtype=torch.int64, device=device)
-    C.all_gather(lengths, length, group, async_op=False, what="all-gather of gather-sequence lengths")
-    longest = int(lengths.max())
-    mine = torch.full((longest,), -1, dtype=torch.int64, device=device)
-    mine[: len(sequence)] = torch.tensor(sequence, dtype=torch.int64, device=device)
-    rows = torch.empty(world, longest, dtype=torch.int64, device=device)
-    C.all_gather(rows.view(-1), mine, group, async_op=False, what="all-gather of gather sequences")
-    differs = (rows != rows[0]).any(dim=0).nonzero()
-    if differs.numel() == 0:
+    """Where the ranks' ZeRO-3 gather sequences first differ (two more small all-gathers)."""
+    rows = C.gather_ragged(sequence, group, "gather sequences")
+    i = C.first_difference(rows)
+    if i is None:
         return "the gather sequences differ beyond the part kept for diagnosis"
-    i = int(differs[0])
 
     def name(u: int) -> str:
         return "nothing (its sequence ended)" if u < 0 else repr(names[u] if u < len(names) else u)

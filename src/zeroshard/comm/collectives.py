@@ -211,6 +211,30 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: Proces
                     x.copy_(piece.view_as(x))
 
 
+def gather_ragged(values: Sequence[int], group: ProcessGroup | None, what: str) -> torch.Tensor:
+    """Every rank's list of int64 ``values`` (lengths may differ), as rows ``[world, longest]``
+    padded with -1. Two small all-gathers: for diagnosis after a check failed, not a hot path."""
+    n, device = world_size(group), control_device(group)
+    lengths = torch.empty(n, dtype=torch.int64, device=device)
+    all_gather(lengths, torch.tensor([len(values)], dtype=torch.int64, device=device), group, async_op=False,
+               what=f"all-gather of {what} lengths")
+    mine = torch.full((int(lengths.max()),), -1, dtype=torch.int64, device=device)
+    mine[: len(values)] = torch.tensor(list(values), dtype=torch.int64, device=device)
+    rows = torch.empty(n, mine.numel(), dtype=torch.int64, device=device)
+    all_gather(rows.view(-1), mine, group, async_op=False, what=f"all-gather of {what}")
+    return rows
+
+
+def first_difference(rows: torch.Tensor) -> int | None:
+    """The first column where some row differs from row 0 (``None``: all rows equal)."""
+    differs = (rows != rows[0]).any(dim=0).nonzero()
+    return int(differs[0]) if differs.numel() else None
+
+
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+
+
 def check_same_across_ranks(items: Sequence[str], group: ProcessGroup | None, what: str,
                             hint: str = "Every rank must build the same model, with the same parameter names, "
                                         "shapes and order.") -> None:
@@ -223,25 +247,17 @@ def check_same_across_ranks(items: Sequence[str], group: ProcessGroup | None, wh
     n = world_size(group)
     if n == 1:
         return
-    digest = hashlib.sha256("\n".join(items).encode()).digest()[:8]
     device = control_device(group)
-    local = torch.tensor(list(digest), dtype=torch.uint8, device=device)
-    gathered = [torch.empty_like(local) for _ in range(n)]
-    dist.all_gather(gathered, local, group=group)
-    if all(torch.equal(g, gathered[0]) for g in gathered):
+    local = torch.tensor([_digest("\n".join(items))], dtype=torch.int64, device=device)
+    gathered = torch.empty(n, dtype=torch.int64, device=device)
+    all_gather(gathered, local, group, async_op=False, what=f"the all-gather checking {what}")
+    if bool((gathered == gathered[0]).all()):
         return
     # Second round, only on failure: compare item by item to name the first culprit.
-    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
-    dist.all_gather(lengths, torch.tensor([len(items)], device=device), group=group)
-    longest = int(max(t.item() for t in lengths))
-    hashes = torch.zeros(longest, 8, dtype=torch.uint8)
-    for i, item in enumerate(items):
-        hashes[i] = torch.tensor(list(hashlib.sha256(item.encode()).digest()[:8]), dtype=torch.uint8)
-    hashes = hashes.to(device)
-    all_hashes = [torch.empty_like(hashes) for _ in range(n)]
-    dist.all_gather(all_hashes, hashes, group=group)
-    index = next(i for i in range(longest) if any(not torch.equal(h[i], all_hashes[0][i]) for h in all_hashes))
-    bad = [r for r, h in enumerate(all_hashes) if not torch.equal(h[index], all_hashes[0][index])]
+    rows = gather_ragged([_digest(item) for item in items], group, what)
+    index = first_difference(rows)
+    assert index is not None  # the whole lists differ, so some entry does
+    bad = [r for r in range(n) if rows[r, index] != rows[0, index]]
     mine = items[index] if index < len(items) else "<missing>"
     raise DistributedError(
         f"{what} differ across ranks at entry {index} (ranks {bad} differ from rank 0; this rank "

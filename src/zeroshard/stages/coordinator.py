@@ -92,8 +92,11 @@ class ParamCoordinator:
         self._departed = False
         #: prefetched units in flight, with the trace position they were prefetched for
         self._ahead: dict[ParamUnit, int] = {}
+        #: requests kept per pass at most (generation loops never end a pass)
+        self._max_recorded = 4 * len(units) + 16
         #: units requested in this accumulation window, hashed and logged for the agreement check
         self._unit_index = {u: i for i, u in enumerate(units)}
+        self.unit_names = [u.name for u in units]
         self.window_hash = 0
         self.window_log: list[int] = []
         #: this pass's forward requests, one list per module call (its backward runs them in reverse)
@@ -195,8 +198,8 @@ class ParamCoordinator:
         (:func:`~zeroshard.comm.subset.arrive`), so a missing rank is an error naming it rather
         than a hang. It does not prefetch: it is not part of the forward trace.
         """
+        units = list(units)
         if not record:
-            units = list(units)
             moved = [u for u in units if not u.persistent]
             if moved:
                 u = next((u for u in moved if u.state is UnitState.SHARDED), moved[0])
@@ -204,7 +207,6 @@ class ParamCoordinator:
                         else f"explicit gather of ZeRO-3 unit {u.name!r}, which releases it afterwards,")
                 arrive(u.group, what, None if self.step is None else self.step())
         if record:
-            units = list(units)
             self._note_call(units, backward)
             for u in units:
                 i = self._unit_index[u]
@@ -248,7 +250,7 @@ class ParamCoordinator:
         departed from the trace, predict the backward as that forward in reverse (module calls in
         reverse order), so that prefetching follows an order that changes every step."""
         if not backward:
-            if not self._in_backward and len(self._forward_calls) < 4 * len(self.units) + 16:
+            if not self._in_backward and len(self._forward_calls) < self._max_recorded:
                 self._forward_calls.append(units)
             return
         if self._in_backward:
@@ -266,7 +268,7 @@ class ParamCoordinator:
             self._positions.setdefault(u, []).append(i)
 
     def _follow_trace(self, u: ParamUnit) -> None:
-        if len(self.recording) < 4 * len(self.units) + 16:  # generation loops never end a pass
+        if len(self.recording) < self._max_recorded:
             self.recording.append(u)
         if self.trace_valid and self.cursor < len(self.trace) and self.trace[self.cursor] is u:
             self.cursor += 1

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zeroshard.checkpoint.agree import together
 from zeroshard.checkpoint.safetensors_io import SafetensorsWriter, TensorSpec
 from zeroshard.comm import collectives as C
-from zeroshard.errors import CheckpointError
 from zeroshard.partition import full_shape
 
 logger = logging.getLogger("zeroshard")
@@ -56,7 +56,6 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike[str], save_filenam
         return p.detach()
 
     rank = dist.get_rank() if dist.is_initialized() else 0
-    writer: SafetensorsWriter | None = None
     error: Exception | None = None
 
     def on_rank_0(fn: Callable[..., Any], *args: Any) -> Any:
@@ -67,7 +66,7 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike[str], save_filenam
         try:
             with C.on_ranks([0], "writing the 16-bit model, which runs on rank 0 only"):
                 return fn(*args)
-        except Exception as e:  # raised below, once every rank has finished the walk
+        except Exception as e:  # raised once every rank has finished the walk
             error = e
             return None
 
@@ -75,24 +74,26 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike[str], save_filenam
         path.parent.mkdir(parents=True, exist_ok=True)
         return SafetensorsWriter(path, specs, metadata={"format": "pt", "written_by": "zeroshard"})
 
-    try:
-        writer = on_rank_0(open_file)
-        for _, p in params:
-            t = produce(p)
+    def walk() -> int:
+        writer: SafetensorsWriter | None = None
+        try:
+            writer = on_rank_0(open_file)
+            for _, p in params:
+                t = produce(p)
+                if writer is not None:
+                    on_rank_0(writer.write, t)
+            size: int = on_rank_0(writer.finish) if writer is not None else 0
+        finally:
+            if current[1] is not None:
+                current[1]()
             if writer is not None:
-                on_rank_0(writer.write, t)
-        size: int = on_rank_0(writer.finish) if writer is not None else 0
-    finally:
-        if current[1] is not None:
-            current[1]()
-        if writer is not None:
-            writer.close()
-    failed = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=C.control_device(None))
-    C.all_reduce(failed, None, async_op=False, op=dist.ReduceOp.MAX)  # also: nobody returns before the file is written
-    if error is not None:
-        raise error
-    if int(failed.item()):
-        raise CheckpointError(f"save_16bit_model: writing {path} failed on rank 0 (see its error)")
+                writer.close()
+        if error is not None:
+            raise error
+        return size
+
+    # Raised on every rank if rank 0 failed; also: nobody returns before the file is written.
+    size = together(walk, None, f"save_16bit_model: writing {path}")
     if rank == 0:
         logger.info("saved %d tensors (%.1f MB) to %s", len(specs), size / 2**20, path)
     return path
