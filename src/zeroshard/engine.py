@@ -172,17 +172,19 @@ class ZeroEngine(torch.nn.Module):
             self.optimizer.finish_backward()
         return loss
 
-    def _check_agreement(self) -> None:
-        """Before this backward reduces gradients: every rank is at the same micro-step and ran as
-        many forwards and backwards (and under ZeRO-3 gathered the same units) in this window
-        (:mod:`zeroshard.comm.agreement`)."""
+    def _check_agreement(self, kind: int = agreement.BACKWARD) -> None:
+        """Before this backward reduces gradients (or a checkpoint is saved): every rank is at the
+        same micro-step and ran as many forwards and backwards (and under ZeRO-3 gathered the same
+        units) in this window (:mod:`zeroshard.comm.agreement`)."""
         co = self._coordinator
         ga = self.gradient_accumulation_steps()
         values = [self.global_steps, self.micro_steps % ga, self._forwards, self._backwards,
                   co.window_hash if co is not None else 0]
         where = f"micro-step {self.micro_steps % ga + 1} of {ga} of optimizer step {self.global_steps}"
+        if kind == agreement.SAVE:
+            where = f"save_checkpoint after optimizer step {self.global_steps}"
         agreement.check(values, self.group, where, co.window_log if co is not None else None,
-                        co.unit_names if co is not None else None)
+                        co.unit_names if co is not None else None, kind=kind, ga=ga)
 
     @guarded("optimizer step {step}")
     def step(self) -> None:
@@ -281,6 +283,7 @@ class ZeroEngine(torch.nn.Module):
         """
         from zeroshard.checkpoint.save import save_checkpoint
 
+        self._check_agreement(agreement.SAVE)  # a rank with an extra micro-step would save another window
         return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     @guarded("load_checkpoint")

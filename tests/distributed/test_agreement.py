@@ -5,6 +5,8 @@ silently exchange the wrong parameters)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from harness import run_distributed
@@ -20,22 +22,22 @@ class Twins(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.inp, self.a, self.b, self.out = nn.Linear(7, 9), nn.Linear(9, 9), nn.Linear(9, 9), nn.Linear(9, 3)
+        self.c = nn.Linear(9, 9, bias=False)  # another size: a gather of it beside one of a aborts gloo
 
-    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
-        return self.out(torch.tanh((self.b if use_b else self.a)(torch.tanh(self.inp(x)))))
+    def forward(self, x: torch.Tensor, use_b: bool, use_c: bool = False) -> torch.Tensor:
+        branch = self.c if use_c else self.b if use_b else self.a
+        return self.out(torch.tanh(branch(torch.tanh(self.inp(x)))))
 
 
-def config(stage: int, lr: float = 1e-2) -> dict:
-    # No ZeRO-3 prefetching: ranks whose module sequences differ also prefetch differently, and
-    # all-gathers of different sizes abort inside gloo ("Is there a distributed collective mismatch
-    # in your code?") before any check can run; here the two branches have the same size.
+def config(stage: int, lr: float = 1e-2, prefetch: int = 0) -> dict:
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
-                                  "stage3_prefetch_bucket_size": 0},
+                                  "stage3_prefetch_bucket_size": prefetch},
             "optimizer": {"type": "AdamW", "params": {"lr": lr}}, "collective_timeout": 20}
 
 
-def diverging_worker(rank: int, world: int, stage: int, kind: str) -> str:
+def diverging_worker(rank: int, world: int, stage: int, kind: str, verify_gathers: str = "") -> str:
+    os.environ["ZEROSHARD_VERIFY_GATHERS"] = verify_gathers  # "": the default (on with gloo)
     torch.manual_seed(0)
     model = Twins()
     engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config(stage))
@@ -48,6 +50,40 @@ def diverging_worker(rank: int, world: int, stage: int, kind: str) -> str:
                 if not (off_path and kind == "backward"):
                     engine.backward(loss)
                 engine.step()
+    except DistributedError as e:
+        return str(e)
+    return "no error"
+
+
+def other_size_worker(rank: int, world: int) -> str:
+    """Under ZeRO-3 with prefetching, rank 1 runs a module of another size in one forward: the
+    all-gathers would differ in size (gloo aborts the process), so the gather guard must name it."""
+    torch.manual_seed(0)
+    model = Twins()
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(),
+                                      config=config(3, prefetch=10_000))
+    try:
+        for step in range(3):
+            for _ in range(2):
+                x, y = torch.randn(2, 7), torch.randn(2, 3)
+                engine.backward(F.mse_loss(engine(x, use_b=False, use_c=rank == 1 and step == 2), y))
+                engine.step()
+    except DistributedError as e:
+        return str(e)
+    return "no error"
+
+
+def extra_micro_step_worker(rank: int, world: int, stage: int, tmp: str) -> str:
+    """Rank 0's data loader has one batch more: it runs an extra micro-step before the save."""
+    torch.manual_seed(0)
+    model = Twins()
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config(stage))
+    try:
+        for _ in range(2 * 2 + (rank == 0)):
+            x, y = torch.randn(2, 7), torch.randn(2, 3)
+            engine.backward(F.mse_loss(engine(x, use_b=False), y))
+            engine.step()
+        engine.save_checkpoint(tmp)
     except DistributedError as e:
         return str(e)
     return "no error"
@@ -78,6 +114,29 @@ def test_a_skipped_backward_at_every_stage() -> None:
 
 
 def test_another_module_under_zero3() -> None:
-    for message in run_distributed(diverging_worker, 2, 3, "module"):
+    for message in run_distributed(diverging_worker, 2, 3, "module"):  # the gather guard (default with gloo)
+        assert "ranks disagree on the next ZeRO-3 all-gather" in message, message
+        assert "rank 1: all-gather of ZeRO-3 unit 'b.weight' (90 elements) in the forward" in message, message
+    # Without it (the default with NCCL), the check before the backward finds where the sequences part.
+    for message in run_distributed(diverging_worker, 2, 3, "module", "0"):
         assert "ZeRO-3 gather sequence" in message, message
         assert "rank 0 gathered 'a.weight', rank 1 gathered 'b.weight'" in message, message
+
+
+def test_a_module_of_another_size_under_zero3_with_prefetch() -> None:
+    for message in run_distributed(other_size_worker, 2):
+        # Rank 0 meets it at its next gather or at its backward's check, whichever comes first.
+        assert "ranks disagree" in message, message
+        assert "rank 1: all-gather of ZeRO-3 unit 'c.weight' (81 elements) in the forward of optimizer step 2" \
+            in message, message
+
+
+def test_an_extra_micro_step_on_one_rank(tmp_path) -> None:
+    for stage in (0, 1, 2, 3):
+        for message in run_distributed(extra_micro_step_worker, 2, stage, str(tmp_path / f"s{stage}")):
+            assert "ranks disagree" in message, (stage, message)
+            # stages 0-1: both ranks reach the save's check; 2: rank 0's backward check meets rank 1's save;
+            # 3: rank 0's first gather of the extra forward does
+            assert "rank 1: save_checkpoint at micro-step 1 " in message or \
+                "micro-step of the window: rank 0: 1, rank 1: 0" in message, (stage, message)
+        assert not (tmp_path / f"s{stage}" / "latest").exists(), stage  # nothing was saved

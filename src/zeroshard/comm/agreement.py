@@ -1,19 +1,34 @@
-"""A cheap check that every rank did the same thing, before gradients are reduced.
+"""A cheap check that every rank did the same thing, before collectives that could pair wrongly.
 
-Ranks that disagree (one skipped a backward, under ZeRO-3 one ran other modules) can pair
-collectives of the same size that were never meant to meet: training goes on, silently wrong,
-or hangs later somewhere unrelated. Before a backward reduces gradients (every micro-step at
-stages 2–3, the last micro-step of the window at stages 0–1), every rank contributes a few
-integers (its optimizer step, the micro-step of the window, the forwards and backwards of the
-window so far, and under ZeRO-3 a hash of the sequence of units it gathered) to one small
-all-gather. A difference raises :class:`DistributedError` on every rank, naming the ranks and
-what differs; for ZeRO-3 a second all-gather (only then) finds the first module where the
-sequences part.
+Ranks that disagree (one skipped a backward, ran an extra micro-step, under ZeRO-3 ran other
+modules) can pair collectives of the same size that were never meant to meet: training goes on,
+silently wrong, or hangs later somewhere unrelated. So at a few points every rank contributes one
+fixed-size row of integers to a small all-gather, and a difference raises
+:class:`DistributedError` on every rank, naming the ranks and what differs:
 
-Cost: one all-gather of ``5 × 8`` bytes per check (``benchmarks/agreement_cost.py``).
+- before a backward reduces gradients (every micro-step at stages 2–3, the last micro-step of the
+  window at stages 0–1): the optimizer step, the micro-step of the window, the forwards and
+  backwards of the window so far, and under ZeRO-3 a hash of the sequence of units it gathered
+  (on a difference, a second all-gather finds the first module where the sequences part);
+- at ``save_checkpoint``: the same, so a rank that ran an extra or a missing micro-step (one more
+  batch in its data loader) is named there instead of saving a half-accumulated window;
+- before each ZeRO-3 unit all-gather (:class:`GatherGuard`): under ZeRO-3 a rank that runs another
+  module gathers other parameters already in the forward, and an all-gather whose size differs
+  between ranks aborts the process inside gloo (and hangs or reads garbage with NCCL) before the
+  backward's check could run. It is on by default where collectives run on the CPU (gloo, where a
+  two-integer all-gather costs a few percent of a unit gather) and off with NCCL (it needs a host
+  synchronisation per gather, which would stall the prefetch pipeline); ``ZEROSHARD_VERIFY_GATHERS=1``
+  or ``0`` forces it on or off.
+
+Every row has the same width, whatever the check, so checks of different kinds still pair (one
+rank at its backward check while another gathers a unit or saves) and the error says what each
+rank was doing. Cost: one all-gather of ``8 × 8`` bytes per check (``benchmarks/agreement_cost.py``).
 """
 
 from __future__ import annotations
+
+import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -24,6 +39,11 @@ from zeroshard.errors import DistributedError
 FIELDS = ("optimizer step", "micro-step of the window", "forward passes in the window",
           "backward passes in the window", "ZeRO-3 gather sequence")
 SEQUENCE = len(FIELDS) - 1
+#: what a rank is doing when it checks (the row's first integer)
+BACKWARD, GATHER, SAVE = 1, 2, 3
+_KINDS = {BACKWARD: "backward", GATHER: "ZeRO-3 all-gather", SAVE: "save_checkpoint"}
+_PHASES = ("forward", "backward", "explicit gather")
+WIDTH = 8
 #: ZeRO-3 unit requests kept per window for the diagnosis (beyond it only the hash is compared).
 MAX_LOGGED = 100_000
 _MOD = (1 << 61) - 1
@@ -34,31 +54,61 @@ def extend_hash(h: int, unit_index: int) -> int:
     return (h * 1_000_003 + unit_index + 1) % _MOD
 
 
-def check(values: list[int], group: dist.ProcessGroup | None, where: str,
-          sequence: list[int] | None = None, unit_names: list[str] | None = None) -> None:
-    """Raise on every rank if ranks disagree on ``values`` (one per :data:`FIELDS`)."""
-    world = C.world_size(group)
-    if world == 1:
-        return
+def _exchange(row: list[int], group: dist.ProcessGroup | None, what: str) -> torch.Tensor:
+    """Every rank's ``row`` (padded to :data:`WIDTH`) as ``[world, WIDTH]``."""
     device = C.control_device(group)
-    mine = torch.tensor(values, dtype=torch.int64, device=device)
-    rows = torch.empty(world, len(values), dtype=torch.int64, device=device)
-    C.all_gather(rows.view(-1), mine, group, async_op=False, what="all-gather of the per-step agreement check")
+    mine = torch.tensor(row + [0] * (WIDTH - len(row)), dtype=torch.int64, device=device)
+    rows = torch.empty(C.world_size(group), WIDTH, dtype=torch.int64, device=device)
+    C.all_gather(rows.view(-1), mine, group, async_op=False, what=what)
+    return rows
+
+
+def _describe(row: list[int], ga: int | None, unit_names: list[str] | None) -> str:
+    """What a rank was doing, from its row (for ranks whose checks are of different kinds)."""
+    kind, step, micro, forwards, backwards, index, numel, phase = row
+    if kind == GATHER:
+        name = unit_names[index] if unit_names and 0 <= index < len(unit_names) else f"unit {index}"
+        return (f"all-gather of ZeRO-3 unit {name!r} ({numel:,} elements) in the {_PHASES[phase]} of optimizer "
+                f"step {step}")
+    window = f"micro-step {micro + 1}" + (f" of {ga}" if ga else "")
+    doing = "backward of" if kind == BACKWARD else "save_checkpoint at"
+    return (f"{doing} {window} of optimizer step {step} ({forwards} forward and {backwards} backward passes "
+            "in the window so far)")
+
+
+def _mismatch(rows: torch.Tensor, ga: int | None, unit_names: list[str] | None) -> str:
+    table = rows.tolist()
+    if len({r[0] for r in table}) > 1 or table[0][0] == GATHER:
+        return "\n".join(f"  rank {r}: {_describe(row, ga, unit_names)}" for r, row in enumerate(table))
+    lines = []
+    for j, field in enumerate(FIELDS, start=1):
+        column = [row[j] for row in table]
+        if len(set(column)) > 1:
+            shown = column if j - 1 != SEQUENCE else ["same as rank 0" if v == column[0] else "differs"
+                                                      for v in column]
+            lines.append(f"  {field}: " + ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown)))
+    return "\n".join(lines)
+
+
+def check(values: list[int], group: dist.ProcessGroup | None, where: str,
+          sequence: list[int] | None = None, unit_names: list[str] | None = None,
+          kind: int = BACKWARD, ga: int | None = None) -> None:
+    """Raise on every rank if ranks disagree on ``values`` (one per :data:`FIELDS`) or are not all
+    at a check of the same ``kind`` (:data:`BACKWARD` or :data:`SAVE`)."""
+    if C.world_size(group) == 1:
+        return
+    rows = _exchange([kind, *values], group, "all-gather of the per-step agreement check")
     if bool((rows == rows[0]).all()):
         return
-    lines = []
-    for j, field in enumerate(FIELDS[: len(values)]):
-        column = rows[:, j].tolist()
-        if len(set(column)) > 1:
-            shown = column if j != SEQUENCE else ["same as rank 0" if v == column[0] else "differs"
-                                                       for v in column]
-            lines.append(f"  {field}: " + ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown)))
-    if sequence is not None and rows[:, SEQUENCE].unique().numel() > 1:
-        lines.append("  " + _first_divergence(sequence, group, world, unit_names or []))
+    text = _mismatch(rows, ga, unit_names)
+    same_kind = bool((rows[:, 0] == kind).all())
+    if same_kind and sequence is not None and rows[:, 1 + SEQUENCE].unique().numel() > 1:
+        text += "\n  " + _first_divergence(sequence, group, C.world_size(group), unit_names or [])
     raise DistributedError(
-        f"ranks disagree at {where}:\n" + "\n".join(lines) + "\nEvery rank must run the same number of "
-        "forward and backward passes per optimizer step" + (", and under ZeRO-3 the same modules in the "
-        "same order (their parameters are gathered with collectives)" if sequence is not None else "") + "."
+        f"ranks disagree at {where}:\n{text}\nEvery rank must run the same number of forward and backward "
+        "passes per optimizer step (a data loader with more batches on some ranks causes this)"
+        + (", and under ZeRO-3 the same modules in the same order (their parameters are gathered with "
+           "collectives)" if sequence is not None else "") + "."
     )
 
 
@@ -75,3 +125,46 @@ def _first_divergence(sequence: list[int], group: dist.ProcessGroup | None, worl
 
     return (f"the modules first differ at gather {i} of the window: "
             + ", ".join(f"rank {r} gathered {name(int(rows[r, i]))}" for r in range(world)))
+
+
+def verify_gathers_default(group: dist.ProcessGroup | None) -> bool:
+    """Whether ZeRO-3 gathers are verified (:class:`GatherGuard`): ``ZEROSHARD_VERIFY_GATHERS``
+    when set, else on where the group's collectives run on the CPU (gloo)."""
+    forced = os.environ.get("ZEROSHARD_VERIFY_GATHERS", "").strip().lower()
+    if forced in ("1", "true", "yes", "on"):
+        return True
+    if forced in ("0", "false", "no", "off"):
+        return False
+    return C.world_size(group) > 1 and dist.get_backend(group) == "gloo" and \
+        C.control_device(group).type == "cpu"
+
+
+class GatherGuard:
+    """Before a ZeRO-3 unit all-gather, every rank says which unit it is about to gather.
+
+    Args:
+        group: the data-parallel group the units gather over.
+        unit_names: names of the units, by index.
+        step: the engine's optimizer step (for the message), or ``None``.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, unit_names: list[str],
+                 step: Callable[[], int | None] | None = None) -> None:
+        self.group = group
+        self.unit_names = unit_names
+        self.step = step
+
+    def __call__(self, index: int, numel: int, phase: str) -> None:
+        """Raise :class:`DistributedError` on every rank if the ranks are about to gather different
+        units, or are not all gathering (``phase``: one of "forward", "backward", "explicit gather")."""
+        step = self.step() if self.step is not None else None
+        row = [GATHER, -1 if step is None else step, -1, -1, -1, index, numel, _PHASES.index(phase)]
+        rows = _exchange(row, self.group, "all-gather verifying the next ZeRO-3 unit gather")
+        if bool((rows == rows[0]).all()):
+            return
+        raise DistributedError(
+            f"ranks disagree on the next ZeRO-3 all-gather:\n{_mismatch(rows, None, self.unit_names)}\n"
+            "Under ZeRO-3 every rank must run the same modules in the same order in each forward and backward "
+            "(their parameters are gathered with collectives): a branch taken on some ranks only, or an extra "
+            "forward on one rank, cannot be exchanged."
+        )

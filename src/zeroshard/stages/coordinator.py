@@ -109,6 +109,11 @@ class ParamCoordinator:
         self.last_used: ParamUnit | None = None
         self.step: Callable[[], int] | None = None  # the engine's step counter, for error messages
         self._placeholders = 0
+        group = units[0].group if units else None
+        if units and agreement.verify_gathers_default(group):
+            self._guard = agreement.GatherGuard(group, self.unit_names, lambda: self.step() if self.step else None)
+            for u in units:
+                u.verify = self._verify
         for m in self.module_units:
             self._handles.append(m.register_forward_pre_hook(self._pre_forward))
             self._handles.append(m.register_forward_hook(self._post_forward))
@@ -229,6 +234,9 @@ class ParamCoordinator:
         self._evict()
         if record:
             self._prefetch()
+
+    def _verify(self, u: ParamUnit) -> None:
+        self._guard(self._unit_index[u], u.numel, "backward" if self._in_backward else "forward")
 
     def start_pass(self) -> None:
         """Before the engine's forward: a recording left by forwards without backward is dropped."""

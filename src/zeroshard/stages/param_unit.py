@@ -13,6 +13,7 @@ compute-dtype shard lives in a slice of the flat parameter-shard buffer. Its sta
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,9 @@ class ParamUnit:
         self.state = UnitState.SHARDED
         self.shapes = [full_shape(p) for p in bucket.params]
         self._pending: tuple[torch.Tensor, dist.Work | None] | None = None
+        #: called before each all-gather to check that every rank gathers this unit (see
+        #: :class:`zeroshard.comm.agreement.GatherGuard`); ``None`` when verification is off
+        self.verify: Callable[[ParamUnit], None] | None = None
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -59,6 +63,8 @@ class ParamUnit:
         """Start the all-gather (no-op unless ``SHARDED``)."""
         if self.state is not UnitState.SHARDED:
             return
+        if self.verify is not None:
+            self.verify(self)
         out = torch.empty(self.world * self.bucket.numel, dtype=self.shard.dtype, device=self.shard.device)
         work = C.all_gather(out, self.shard, self.group, what=self.gather_what)
         self._pending = (out, work)
