@@ -1,178 +1,136 @@
-"""``zeroshard launch``: start a training script on every local rank, with torch's own launcher.
+"""``zeroshard launch``: start a training script on every rank, with torch's own launcher.
 
-``zeroshard launch [options] script.py [script args ...]`` translates its options into a
-``torch.distributed.run`` (torchrun) command line and calls torchrun in-process; torchrun starts,
-watches and restarts the worker processes. Each worker finds ``RANK``, ``LOCAL_RANK``,
-``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` in its environment, which is what
-``deepspeed.init_distributed()`` (and ``zeroshard.init_distributed()``) read.
+``zeroshard launch [options] script.py [script args ...]`` translates its options
+(``launch_args.py``) into a ``torch.distributed.run`` (torchrun) command line and calls torchrun
+in-process; torchrun starts, watches and restarts the worker processes. Each worker finds
+``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` in its environment,
+which is what ``deepspeed.init_distributed()`` (and ``zeroshard.init_distributed()``) read.
 
-Options, all before the script path (everything after it belongs to the script):
+Where the job runs:
 
-* ``--nproc_per_node N`` (alias ``--num_gpus``, as DeepSpeed's launcher), ``--nnodes N|MIN:MAX``
-  (alias ``--num_nodes``), ``--node_rank``, ``--master_addr``, ``--master_port`` (default 29500
-  once a master address is given, as DeepSpeed).
-* Every other torchrun option (``--rdzv_backend``, ``--rdzv_endpoint``, ``--rdzv_id``,
-  ``--rdzv_conf``, ``--standalone``, ``--max_restarts``, ``--monitor_interval``, ``--log_dir``,
-  ``-m``/``--module``, ``--no_python``, ...) is passed through unchanged.
+* no hostfile: this node. Without a master address, port or rendezvous option, and one node,
+  torchrun's ``--standalone`` rendezvous listens on a free local port, so that two launches on
+  one machine never collide. ``--nnodes N --node_rank R --master_addr A`` on every node is a
+  multi-node job with torchrun's static rendezvous ("the same command on every node", and Slurm).
+* ``--hostfile`` (``hostfile.py``; filtered by ``--include``/``--exclude``, ``--num_nodes``,
+  ``--num_gpus``): several hosts are started over ssh or pdsh (``multinode.py``); one host (and no
+  ``--force_multi``) runs here with its slots; with ``--node_rank`` (``--no_ssh``) only that node
+  of the hostfile runs here.
 
-A single-node launch with no master address, port or rendezvous option uses torchrun's
-``--standalone`` rendezvous, which listens on a free local port, so that two launches on one
-machine never collide.
+``--local_rank``: as DeepSpeed's launcher, the script gets ``--local_rank=<local rank>`` before
+its own arguments, but only when its source mentions ``--local_rank`` or ``--local-rank`` (a
+script that declares the option), so scripts that read ``LOCAL_RANK`` from the environment and
+reject unknown arguments keep working; ``--no_local_rank`` never passes it, and modules (``-m``)
+and ``--no_python`` commands never get it. The value comes from torchrun's ``${local_rank}``
+substitution in worker arguments.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import shlex
 import shutil
 import sys
+import uuid
 from collections.abc import Sequence
+from pathlib import Path
 
-DEFAULT_MASTER_PORT = 29500
-NPROC_KEYWORDS = ("auto", "cpu", "gpu", "xpu")
+from zeroshard.cli import multinode
+from zeroshard.cli.hostfile import ResourceError, filter_resources, limit_resources, read_hostfile, visible_devices
+from zeroshard.cli.launch_args import (
+    DEFAULT_MASTER_PORT,
+    NPROC_KEYWORDS,
+    build_parser,
+    parse_nnodes,
+    passed_options,
+    torchrun_option_args,
+)
+from zeroshard.cli.launch_args import torchrun_actions as _torchrun_actions  # noqa: F401 (tests use it)
 
-_NPROC = ("--nproc_per_node", "--nproc-per-node", "--num_gpus", "--num-gpus")
-_NNODES = ("--nnodes", "--num_nodes", "--num-nodes")
-_NODE_RANK = ("--node_rank", "--node-rank")
-_MASTER_ADDR = ("--master_addr", "--master-addr")
-_MASTER_PORT = ("--master_port", "--master-port")
-_OWN_OPTIONS = frozenset((*_NPROC, *_NNODES, *_NODE_RANK, *_MASTER_ADDR, *_MASTER_PORT, "-h", "--help"))
-_PASS_PREFIX = "torchrun__"
+__all__ = ["ATTEMPT_ENV", "DEFAULT_MASTER_PORT", "NPROC_KEYWORDS", "build_parser", "build_torchrun_argv", "main"]
 
-
-def _nproc_type(value: str) -> str:
-    if value in NPROC_KEYWORDS:
-        return value
-    try:
-        count = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a positive integer or one of {', '.join(NPROC_KEYWORDS)}, got {value!r}"
-        ) from None
-    if count < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
-    return str(count)
-
-
-def _parse_nnodes(value: str) -> tuple[int, int]:
-    parts = value.split(":")
-    try:
-        numbers = [int(part) for part in parts]
-    except ValueError:
-        numbers = []
-    if len(numbers) == 1:
-        numbers = numbers * 2
-    if len(numbers) != 2 or not 1 <= numbers[0] <= numbers[1]:
-        raise argparse.ArgumentTypeError(
-            f"expected a positive integer N or a range MIN:MAX with 1 <= MIN <= MAX, got {value!r}"
-        )
-    return numbers[0], numbers[1]
-
-
-def _nnodes_type(value: str) -> str:
-    _parse_nnodes(value)
-    return value
-
-
-def _node_rank_type(value: str) -> int:
-    try:
-        rank = int(value)
-    except ValueError:
-        rank = -1
-    if rank < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value!r}")
-    return rank
-
-
-def _port_type(value: str) -> int:
-    try:
-        port = int(value)
-    except ValueError:
-        port = 0
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port number between 1 and 65535, got {value!r}")
-    return port
-
-
-def _torchrun_actions() -> list[argparse.Action]:
-    """torchrun's own options, minus those that ``zeroshard launch`` defines itself."""
-    from torch.distributed.run import get_args_parser
-
-    return [
-        action
-        for action in get_args_parser()._actions
-        if action.option_strings and not _OWN_OPTIONS.intersection(action.option_strings)
-    ]
-
-
-def _canonical(option_strings: Sequence[str]) -> str:
-    """The spelling used on the generated torchrun command line: ``--snake_case`` when there is one."""
-    long = [s for s in option_strings if s.startswith("--")] or list(option_strings)
-    return next((s for s in long if "_" in s), long[0])
-
-
-def build_parser(prog: str = "zeroshard launch") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        usage="%(prog)s [options] script [script args ...]",
-        description="Run a training script on every local rank, through torch.distributed.run "
-        "(torchrun). Options go before the script path; everything after it is passed to the script.",
-        allow_abbrev=False,
-    )
-    own = parser.add_argument_group("placement")
-    own.add_argument(
-        *_NPROC,
-        dest="nproc_per_node",
-        type=_nproc_type,
-        metavar="N",
-        help="processes per node (alias --num_gpus); also 'auto', 'cpu', 'gpu' or 'xpu' "
-        "(default: torchrun's, 1)",
-    )
-    own.add_argument(
-        *_NNODES, dest="nnodes", type=_nnodes_type, metavar="N|MIN:MAX", help="number of nodes (default 1)"
-    )
-    own.add_argument(*_NODE_RANK, dest="node_rank", type=_node_rank_type, metavar="RANK",
-                     help="rank of this node, 0 .. nnodes-1 (default 0)")
-    own.add_argument(*_MASTER_ADDR, dest="master_addr", metavar="HOST",
-                     help="address of the node with node_rank 0; required for a multi-node static launch")
-    own.add_argument(*_MASTER_PORT, dest="master_port", type=_port_type, metavar="PORT",
-                     help=f"port on the master node (default {DEFAULT_MASTER_PORT} once --master_addr is "
-                     "given; a free port for a single-node launch without --master_addr)")
-
-    passthrough = parser.add_argument_group("torch.distributed.run options (passed through unchanged)")
-    for action in _torchrun_actions():
-        kwargs: dict = {
-            "dest": _PASS_PREFIX + action.dest,
-            "default": argparse.SUPPRESS,
-            "help": (action.help or "").replace("%", "%%"),
-        }
-        if action.nargs == 0:
-            passthrough.add_argument(*action.option_strings, action="store_true", **kwargs)
-        else:
-            if action.type in (int, float):
-                kwargs["type"] = action.type
-            passthrough.add_argument(
-                *action.option_strings, choices=action.choices, metavar=action.dest.upper(), **kwargs
-            )
-
-    parser.add_argument("script", help="the training script (a module name with -m/--module)")
-    remainder = parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
-    remainder.required = False  # Python < 3.12 marks a REMAINDER positional as required
-    return parser
+#: torchrun replaces ``${local_rank}`` in every worker argument with that worker's local rank.
+LOCAL_RANK_ARG = "--local_rank=${local_rank}"
+_DECLARES_LOCAL_RANK = re.compile(r"--local[_-]rank")
 
 
 def build_torchrun_argv(argv: Sequence[str], prog: str = "zeroshard launch") -> list[str]:
-    """Translate a ``zeroshard launch`` command line into a ``torch.distributed.run`` one.
+    """Translate a single-node ``zeroshard launch`` command line into a ``torch.distributed.run`` one.
 
-    Raises ``SystemExit(2)`` with a message naming the offending argument on bad input.
+    Raises ``SystemExit(2)`` with a message naming the offending argument on bad input, or when a
+    hostfile asks for several hosts (those are started by :func:`main`).
     """
     parser = build_parser(prog)
     args = parser.parse_args(list(argv))
-    passed = {
-        name[len(_PASS_PREFIX):]: value for name, value in vars(args).items() if name.startswith(_PASS_PREFIX)
-    }
+    hosts = _resolve_hosts(parser, args)
+    if hosts is not None and _runs_remotely(args, hosts):
+        parser.error(f"argument --hostfile: {len(hosts)} hosts: a multi-host launch, not one torchrun command")
+    return _translate(parser, args, passed_options(args), hosts)[0]
 
-    _, max_nodes = _parse_nnodes(args.nnodes or "1")
+
+def _resolve_hosts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, list[int]] | None:
+    """The active ``{host: slots}`` of a hostfile (or of this machine's accelerators, for a bare
+    ``--include``/``--exclude``), or ``None`` when the job is placed by torchrun's options alone."""
+    filters = args.include or args.exclude
+    if args.hostfile is None and not filters:
+        for flag in ("no_ssh", "force_multi"):
+            if getattr(args, flag):
+                parser.error(f"argument --{flag}: needs a --hostfile")
+        return None
+    if filters and (args.nnodes is not None or args.nproc_per_node is not None):
+        parser.error("argument --include/--exclude: not allowed with --num_nodes/--num_gpus (as in DeepSpeed)")
+    try:
+        pool = read_hostfile(args.hostfile) if args.hostfile else {"localhost": _accelerator_count(parser)}
+        active = filter_resources(pool, args.include, args.exclude)
+        return limit_resources(active, _count(parser, args.nnodes, "--num_nodes"),
+                               _count(parser, args.nproc_per_node, "--num_gpus"))
+    except ResourceError as error:
+        parser.error(str(error))
+
+
+def _count(parser: argparse.ArgumentParser, value: str | None, option: str) -> int | None:
+    if value is not None and not value.isdigit():
+        parser.error(f"argument {option}: with a hostfile, expected a positive integer, got {value!r}")
+    return None if value is None else int(value)
+
+
+def _accelerator_count(parser: argparse.ArgumentParser) -> int:
+    import torch
+
+    count = torch.accelerator.device_count() if hasattr(torch, "accelerator") else torch.cuda.device_count()
+    if count == 0:
+        parser.error("argument --include/--exclude: no --hostfile, and this machine has no accelerators to select")
+    return count
+
+
+def _runs_remotely(args: argparse.Namespace, hosts: dict[str, list[int]]) -> bool:
+    return (len(hosts) > 1 or args.force_multi) and not args.no_ssh and args.node_rank is None
+
+
+def _place_from_hosts(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                      hosts: dict[str, list[int]]) -> dict[str, str]:
+    """Set this node's nproc/nnodes/master from ``hosts``; returns the environment it needs."""
+    if args.no_ssh and args.node_rank is None:
+        parser.error("argument --no_ssh: needs --node_rank (this node's line in the hostfile, from 0)")
+    rank = args.node_rank or 0
+    if rank >= len(hosts):
+        parser.error(f"argument --node_rank: the hostfile leaves {len(hosts)} hosts, got {rank}")
+    slots = list(hosts.values())[rank]
+    args.nproc_per_node, args.nnodes = str(len(slots)), str(len(hosts))
+    if len(hosts) > 1:
+        args.node_rank = rank
+        args.master_addr = args.master_addr or next(iter(hosts))
+    devices = visible_devices(slots)
+    return {} if devices is None else {"CUDA_VISIBLE_DEVICES": devices}
+
+
+def _translate(parser: argparse.ArgumentParser, args: argparse.Namespace, passed: dict,
+               hosts: dict[str, list[int]] | None) -> tuple[list[str], dict[str, str]]:
+    """The torchrun argv for this node, and the environment variables it needs."""
+    env = _place_from_hosts(parser, args, hosts) if hosts is not None else {}
+    _, max_nodes = parse_nnodes(args.nnodes or "1")
     rendezvous_given = bool(
         passed.get("standalone")
         or "rdzv_endpoint" in passed
@@ -204,18 +162,22 @@ def build_torchrun_argv(argv: Sequence[str], prog: str = "zeroshard launch") -> 
                 f"(--nnodes {args.nnodes}), unless a rendezvous is given with --rdzv_endpoint"
             )
         out.append("--standalone")
-
-    actions = {action.dest: action for action in _torchrun_actions()}
-    for dest, value in passed.items():
-        option = _canonical(actions[dest].option_strings)
-        if actions[dest].nargs == 0:
-            if value:
-                out.append(option)
-        else:
-            out += [option, str(value)]
+    out += torchrun_option_args(passed)
+    local_rank = [LOCAL_RANK_ARG] if _wants_local_rank(args, passed) else []
     # "--" ends torchrun's options: its parser (allow_abbrev) would otherwise read the script's own
     # arguments too, and stop at one that abbreviates two of its options (``--max``, ``--log``).
-    return [*out, "--", args.script, *args.script_args]
+    return [*out, "--", args.script, *local_rank, *args.script_args], env
+
+
+def _wants_local_rank(args: argparse.Namespace, passed: dict) -> bool:
+    """DeepSpeed passes ``--local_rank`` to every script; here only to scripts that declare it."""
+    if args.no_local_rank or passed.get("module") or passed.get("no_python"):
+        return False
+    try:
+        source = Path(args.script).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+    return _DECLARES_LOCAL_RANK.search(source) is not None
 
 
 def _check_script(parser: argparse.ArgumentParser, script: str, passed: dict) -> None:
@@ -228,6 +190,34 @@ def _check_script(parser: argparse.ArgumentParser, script: str, passed: dict) ->
     if not os.path.isfile(script):
         what = "is a directory, not a file" if os.path.isdir(script) else "no such file"
         parser.error(f"argument script: {what}: {script!r}")
+
+
+def _multi_host(parser: argparse.ArgumentParser, args: argparse.Namespace, hosts: dict[str, list[int]],
+                prog: str) -> int:
+    """Start (or with ``--dry-run`` print) one ``zeroshard launch`` per host."""
+    passed = passed_options(args)
+    if passed.get("standalone"):
+        parser.error("argument --standalone: a single-node rendezvous; not with a hostfile of several hosts")
+    if passed.get("module") and passed.get("no_python"):
+        parser.error("argument --module: not allowed together with --no_python")
+    _check_script(parser, args.script, passed)
+    tag = str(passed.pop("rdzv_id", None) or f"zeroshard-{uuid.uuid4().hex[:12]}")
+    launcher = args.launcher or ("pdsh" if shutil.which("pdsh") else "ssh")
+    cwd = os.getcwd()
+    try:
+        exports = multinode.forwarded_env(os.environ, cwd, os.path.expanduser("~"))
+    except ResourceError as error:
+        parser.error(str(error))
+    remote = multinode.Remote(launcher, args.ssh_port, args.launcher_args, args.venv_script, cwd, exports)
+    master = (args.master_addr or next(iter(hosts)), args.master_port or DEFAULT_MASTER_PORT)
+    launch_args = torchrun_option_args(passed) + (["--no_local_rank"] if args.no_local_rank else [])
+    jobs = multinode.host_jobs(hosts, launch_args, [args.script, *args.script_args], master, tag, remote)
+    if args.dry_run:
+        print(multinode.describe(jobs, remote), flush=True)
+        return 0
+    if shutil.which(launcher) is None:
+        parser.error(f"argument --launcher: {launcher!r} is not installed (no {launcher} on PATH)")
+    return multinode.run(jobs, multinode.launcher_env(os.environ, remote), prog)
 
 
 #: Set in the workers' environment: 0 on the first launch, k on the k-th restart (both ways).
@@ -248,8 +238,19 @@ def _own_restarts(torchrun_argv: list[str]) -> tuple[list[str], int]:
 
 
 def main(argv: Sequence[str], prog: str = "zeroshard launch") -> int:
-    """Launch; returns the exit code (that of the first failed worker, or 0)."""
-    torchrun_argv, restarts = _own_restarts(build_torchrun_argv(argv, prog))
+    """Launch; returns the exit code (that of the first failed worker or host, or 0)."""
+    parser = build_parser(prog)
+    args = parser.parse_args(list(argv))
+    hosts = _resolve_hosts(parser, args)
+    if hosts is not None and _runs_remotely(args, hosts):
+        return _multi_host(parser, args, hosts, prog)
+    torchrun_argv, env = _translate(parser, args, passed_options(args), hosts)
+    if args.dry_run:
+        command = [sys.executable, "-m", "torch.distributed.run", *torchrun_argv]
+        print(" ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(command)]), flush=True)
+        return 0
+    os.environ.update(env)
+    torchrun_argv, restarts = _own_restarts(torchrun_argv)
     code = 0
     for attempt in range(restarts + 1):
         if attempt:
