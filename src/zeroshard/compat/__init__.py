@@ -1,0 +1,6 @@
+"""Opt-in compatibility layers. Nothing in zeroshard's core imports this package.
+
+:mod:`zeroshard.compat.deepspeed` makes ``import deepspeed`` (and its package metadata) resolve to
+zeroshard for libraries that drive DeepSpeed themselves, such as Hugging Face transformers and
+accelerate. Importing it changes nothing; :func:`zeroshard.compat.deepspeed.enable` turns it on.
+"""

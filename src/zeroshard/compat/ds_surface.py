@@ -1,0 +1,229 @@
+"""DeepSpeed's module tree as seen through :mod:`zeroshard.compat.deepspeed`: one table, module stand-ins.
+
+Every DeepSpeed module the layer presents is a :class:`DeepSpeedModule`, a stand-in created by the
+layer's import finder, never a zeroshard module renamed: zeroshard's own modules keep their names,
+specs and attributes, and :func:`zeroshard.compat.deepspeed.disable` removes every stand-in. An
+attribute of a stand-in is looked up, in this order, as
+
+1. a DeepSpeed submodule listed in :data:`MODULES` (``deepspeed.zero`` is the stand-in of that name);
+2. one of the entry's ``names``: ``"zeroshard.module:attr"``, the object zeroshard provides under
+   another name or in another place (``DeepSpeedEngine`` is :class:`zeroshard.engine.ZeroEngine`);
+3. an attribute of the zeroshard modules the entry forwards to (``deepspeed.zero.Init`` is
+   ``zeroshard.zero.Init``), so names zeroshard adds later appear without touching this table;
+4. one of the entry's ``placeholders``: names Hugging Face code imports or reads (``docs/hf_probe.md``)
+   that zeroshard does not provide. Importing one works; calling it or reading its attributes raises
+   :class:`~zeroshard.errors.NotYetSupportedError` naming the DeepSpeed name.
+
+Anything else is an ``AttributeError`` (and an unknown submodule a ``ModuleNotFoundError``), as with
+a real module, so feature checks such as ``hasattr(deepspeed.comm, "x")`` stay truthful.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+from zeroshard.errors import NotYetSupportedError
+
+_HINT = "see docs/hf_probe.md for the DeepSpeed names zeroshard provides"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One DeepSpeed module: where its names come from."""
+
+    forward: tuple[str, ...] = ()
+    names: dict[str, str] = field(default_factory=dict)
+    placeholders: frozenset[str] = frozenset()
+
+
+_ENGINE = "zeroshard.engine:ZeroEngine"
+_OPS = "zeroshard.compat.ds_ops"
+
+
+def _ops(*names: str) -> dict[str, str]:
+    return {name: f"{_OPS}:{name}" for name in names}
+
+
+_SCHEDULES = {name: f"zeroshard.optim:{name}"
+              for name in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")}
+_ACTIVATION_CKPT = Entry(forward=("zeroshard.checkpointing",), placeholders=frozenset(
+    {"checkpoint", "configure", "is_configured", "reset", "get_cuda_rng_tracker",
+     "model_parallel_cuda_manual_seed", "non_reentrant_checkpoint"}))
+
+#: DeepSpeed module name -> where its attributes come from.
+MODULES: dict[str, Entry] = {
+    "deepspeed": Entry(
+        forward=("zeroshard",),
+        names={"DeepSpeedEngine": _ENGINE},
+        placeholders=frozenset({"tp_model_init", "init_inference", "add_config_arguments", "DeepSpeedConfig"})),
+    "deepspeed.comm": Entry(forward=("zeroshard.comm",), placeholders=frozenset(
+        {"get_rank", "get_world_size", "get_local_rank", "is_initialized", "init_distributed", "barrier",
+         "all_reduce", "broadcast", "all_gather", "ReduceOp"})),
+    "deepspeed.zero": Entry(forward=("zeroshard.zero",), placeholders=frozenset({"register_external_parameter"})),
+    "deepspeed.utils": Entry(forward=("zeroshard.utils",), placeholders=frozenset(
+        {"logger", "log_dist", "is_initialized", "set_z3_leaf_modules", "safe_get_full_fp32_param",
+         "safe_get_full_grad", "safe_set_full_fp32_param", "safe_get_full_optimizer_state"})),
+    "deepspeed.utils.groups": Entry(placeholders=frozenset(
+        {"_get_sequence_parallel_group", "_get_sequence_parallel_world_size", "_get_sequence_parallel_rank"})),
+    "deepspeed.accelerator": Entry(forward=("zeroshard.accelerator",), placeholders=frozenset({"get_accelerator"})),
+    "deepspeed.checkpointing": _ACTIVATION_CKPT,
+    "deepspeed.checkpoint": Entry(),
+    "deepspeed.checkpoint.utils": Entry(names={
+        "clone_tensors_for_torch_save": "zeroshard.compat.ds_misc:clone_tensors_for_torch_save"}),
+    "deepspeed.launcher": Entry(),
+    "deepspeed.launcher.runner": Entry(names={
+        "DEEPSPEED_ENVIRONMENT_NAME": "zeroshard.compat.ds_misc:DEEPSPEED_ENVIRONMENT_NAME"}),
+    "deepspeed.ops": Entry(),
+    "deepspeed.ops.adam": Entry(names=_ops("DeepSpeedCPUAdam", "FusedAdam")),
+    "deepspeed.ops.adagrad": Entry(names=_ops("DeepSpeedCPUAdagrad")),
+    "deepspeed.ops.lion": Entry(names=_ops("DeepSpeedCPULion", "FusedLion")),
+    "deepspeed.runtime": Entry(forward=("zeroshard.runtime",)),
+    "deepspeed.runtime.engine": Entry(names={"DeepSpeedEngine": _ENGINE}),
+    "deepspeed.runtime.config": Entry(names={"DeepSpeedConfig": "zeroshard:DeepSpeedConfig"},
+                                      placeholders=frozenset({"DeepSpeedConfig"})),
+    "deepspeed.runtime.lr_schedules": Entry(names={
+        **_SCHEDULES, "VALID_LR_SCHEDULES": "zeroshard.compat.ds_misc:VALID_LR_SCHEDULES"}),
+    "deepspeed.runtime.activation_checkpointing": Entry(),
+    "deepspeed.runtime.activation_checkpointing.checkpointing": _ACTIVATION_CKPT,
+    "deepspeed.runtime.zero": Entry(forward=("zeroshard.runtime.zero", "zeroshard.zero"),
+                                    placeholders=frozenset({"register_external_parameter"})),
+    "deepspeed.runtime.zero.stage_1_and_2": Entry(forward=("zeroshard.runtime.zero.stage_1_and_2",)),
+    "deepspeed.runtime.zero.stage3": Entry(forward=("zeroshard.runtime.zero.stage3",)),
+    # transformers reads and restores these around zero.Init (prevent_arange_dtype_change); zeroshard's
+    # zero.Init wraps no tensor constructor, so there is nothing for them to do until they are called.
+    "deepspeed.runtime.zero.partition_parameters": Entry(
+        forward=("zeroshard.zero",),
+        names={"get_accelerator": "zeroshard.accelerator:get_accelerator"},
+        placeholders=frozenset({"zero_wrapper_for_fp_tensor_constructor", "_orig_torch_arange",
+                                "get_accelerator", "register_external_parameter"})),
+    "deepspeed.runtime.sequence_parallel": Entry(),
+    "deepspeed.runtime.sequence_parallel.ulysses_sp": Entry(placeholders=frozenset(
+        {"UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter"})),
+}
+
+#: Placeholders for names that issue #10's DeepSpeed surface adds to zeroshard (status in the probe).
+ISSUE_10 = frozenset({
+    "deepspeed.add_config_arguments", "deepspeed.DeepSpeedConfig", "deepspeed.runtime.config.DeepSpeedConfig",
+    "deepspeed.comm.get_rank", "deepspeed.comm.get_world_size", "deepspeed.comm.get_local_rank",
+    "deepspeed.comm.is_initialized", "deepspeed.comm.barrier", "deepspeed.comm.all_reduce",
+    "deepspeed.accelerator.get_accelerator", "deepspeed.runtime.zero.partition_parameters.get_accelerator",
+    "deepspeed.utils.logger", "deepspeed.utils.log_dist", "deepspeed.utils.safe_get_full_fp32_param",
+    "deepspeed.utils.safe_get_full_grad", "deepspeed.utils.safe_set_full_fp32_param",
+    "deepspeed.utils.safe_get_full_optimizer_state",
+    "deepspeed.zero.register_external_parameter", "deepspeed.runtime.zero.register_external_parameter",
+})
+
+
+class _NotYetSupportedType(type):
+    """Metaclass of placeholders: calling one, or reading a public attribute of it, raises."""
+
+    _ds_name: str
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        raise not_yet_supported(cls._ds_name)
+
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)  # probes such as copy, inspect and typing expect AttributeError
+        raise not_yet_supported(f"{cls._ds_name}.{name}")
+
+    def __repr__(cls) -> str:
+        return f"<{cls._ds_name}: not supported by zeroshard yet>"
+
+
+def not_yet_supported(ds_name: str) -> NotYetSupportedError:
+    """The error raised when a DeepSpeed name without a zeroshard implementation is used."""
+    return NotYetSupportedError(
+        f"{ds_name} is not supported by zeroshard yet: zeroshard.compat.deepspeed presents DeepSpeed's module "
+        f"surface, and this name can be imported but has no implementation ({_HINT})")
+
+
+def placeholder(ds_name: str) -> type:
+    """A class standing for ``ds_name``: importable, ``isinstance`` is False, any use raises."""
+    return _NotYetSupportedType(ds_name.rsplit(".", 1)[-1], (), {"_ds_name": ds_name, "__module__": __name__})
+
+
+def is_placeholder(obj: object) -> bool:
+    """Whether ``obj`` is a placeholder made by :func:`placeholder`."""
+    return isinstance(obj, _NotYetSupportedType)
+
+
+def _import_attr(target: str) -> Any:
+    """``"pkg.module:attr"`` -> the attribute; ``ImportError``/``AttributeError`` when absent."""
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _optional_module(name: str) -> types.ModuleType | None:
+    """The zeroshard module, or ``None`` when this zeroshard does not have it (yet)."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and name.startswith(exc.name):
+            return None  # the module itself is absent; an import error inside it propagates
+        raise
+
+
+class DeepSpeedModule(types.ModuleType):
+    """A DeepSpeed module name backed by zeroshard, resolved attribute by attribute (see module doc)."""
+
+    def __init__(self, name: str, entry: Entry) -> None:
+        super().__init__(name, f"zeroshard's stand-in for DeepSpeed's {name} (zeroshard.compat.deepspeed)")
+        self._zs_entry = entry
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
+        value = _lookup(self.__name__, self._zs_entry, name)
+        setattr(self, name, value)  # cached, as a from-import or a real module attribute would be
+        return value
+
+    def __repr__(self) -> str:
+        return f"<module {self.__name__!r} (zeroshard's stand-in)>"
+
+    def __dir__(self) -> list[str]:
+        names = set(super().__dir__()) | set(self._zs_entry.names) | set(self._zs_entry.placeholders)
+        names |= {m.rsplit(".", 1)[1] for m in MODULES if m.rsplit(".", 1)[0] == self.__name__}
+        for target in self._zs_entry.forward:
+            module = _optional_module(target)
+            names |= set(getattr(module, "__all__", ())) if module else set()
+        return sorted(names)
+
+
+def _lookup(ds_module: str, entry: Entry, name: str) -> Any:
+    child = f"{ds_module}.{name}"
+    if child in MODULES:
+        return importlib.import_module(child)  # through the layer's finder: the child stand-in
+    if name in entry.names:
+        try:
+            return _import_attr(entry.names[name])
+        except (ImportError, AttributeError):
+            if name not in entry.placeholders:
+                raise
+    for target in entry.forward:
+        module = _optional_module(target)
+        if module is not None and (value := getattr(module, name, _ABSENT)) is not _ABSENT:
+            return value
+    if name in entry.placeholders:
+        return placeholder(child)
+    raise AttributeError(f"module {ds_module!r} has no attribute {name!r} in zeroshard's DeepSpeed "
+                         f"compatibility layer ({_HINT})")
+
+
+_ABSENT = object()
+
+
+def resolve(dotted: str) -> Any:
+    """The object a DeepSpeed dotted name gives while the layer is enabled (``deepspeed.zero.Init``).
+
+    Raises:
+        AttributeError, ImportError: the layer does not know the name.
+    """
+    parts = dotted.split(".")
+    obj: Any = importlib.import_module(parts[0])
+    for part in parts[1:]:
+        obj = getattr(obj, part)
+    return obj
