@@ -7,7 +7,10 @@
   (``zeroshard convert``).
 - :mod:`~zeroshard.checkpoint.deepspeed` and :mod:`~zeroshard.checkpoint.unpickle`: reading
   DeepSpeed 0.19 ZeRO checkpoints without DeepSpeed and without running pickle code.
-- :mod:`~zeroshard.checkpoint.atomic`, :mod:`~zeroshard.checkpoint.paths`: crash safety, tags.
+- :mod:`~zeroshard.checkpoint.to_deepspeed` and :mod:`~zeroshard.checkpoint.ds_pickle`: writing
+  DeepSpeed's layout (``zeroshard convert --to deepspeed``).
+- :mod:`~zeroshard.checkpoint.atomic`, :mod:`~zeroshard.checkpoint.paths`,
+  :mod:`~zeroshard.checkpoint.tags`: crash safety, tags, ``tag_validation``, ``zero_to_fp32.py``.
 - :mod:`~zeroshard.checkpoint.dataloader`: the resumable data loader ``initialize`` returns.
 
 Submodules are imported on first use.

@@ -95,6 +95,7 @@ class DeepSpeedSource(CheckpointSource):
     def __init__(self, path: Path) -> None:
         self.path = path
         optim_files = _optim_files(path)
+        self._optim_paths = optim_files
         self.world_size = len(optim_files)
         self._optims = [self._optim_dict(f) for f in optim_files]
         osd = self._optims[0]
@@ -150,7 +151,8 @@ class DeepSpeedSource(CheckpointSource):
         key = "fp32_flat_groups" if self.zero_stage == 3 else "single_partition_of_fp32_groups"
         groups = self._optims[rank].get(key)
         if not isinstance(groups, list):
-            raise CheckpointError(f"{self.path}: rank {rank}'s optimizer file has no {key}")
+            raise CheckpointError(f"{self._optim_paths[rank]}: expected a list of flat fp32 partitions under "
+                                  f"optimizer_state_dict[{key!r}] (DeepSpeed 0.19's ZeRO-{self.zero_stage} layout)")
         return groups
 
     def _layout12(self, shapes: list[dict[str, Any]]) -> dict[str, list[tuple[int, int, _Handle]]]:
@@ -240,7 +242,8 @@ class DeepSpeedSource(CheckpointSource):
         try:
             value = self._states[rank][group][key]
         except (IndexError, KeyError) as e:
-            raise CheckpointError(f"{self.path}: rank {rank} has no optimizer state {key!r} for group {group}") from e
+            raise CheckpointError(f"{self._optim_paths[rank]}: no optimizer state {key!r} for flat group {group} "
+                                  "(expected the torch optimizer's state_dict over each flat group)") from e
         if not isinstance(value, LazyTensor):
             raise CheckpointError(f"{self.path}: optimizer state {key!r} is not a tensor")
         return value

@@ -12,6 +12,7 @@ zeroshard also restores each rank's RNG state and the data loader's position.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -149,10 +150,13 @@ def load_checkpoint(engine: Any, load_dir: str | Path, tag: str | None = None, l
         and ``load_dir`` has no ``latest`` file (DeepSpeed's behaviour).
     """
     group = engine.group
+    started = time.perf_counter()
     path = together(lambda: resolve_checkpoint(load_dir, tag), group, "finding the checkpoint")
     if path is None:
         logger.warning("no 'latest' file in %s and no tag given: nothing loaded", load_dir)
         return None, None
+    if C.rank(group) == 0:
+        logger.info("loading checkpoint %s", path)
     src = together(lambda: open_source(path), group, f"opening {path}")
     try:
         trained = collect.trained_params(engine)
@@ -172,6 +176,8 @@ def load_checkpoint(engine: Any, load_dir: str | Path, tag: str | None = None, l
     finally:
         src.close()
     C.barrier(group)
-    logger.info("loaded checkpoint %s (%s format, saved by %d ranks at stage %d)", path, src.format,
-                src.world_size, src.zero_stage)
+    if C.rank(group) == 0 and logger.isEnabledFor(logging.INFO):
+        size = sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
+        logger.info("loaded checkpoint %s (%s format, saved by %d ranks at stage %d): %.1f MiB in %.1f s", path,
+                    src.format, src.world_size, src.zero_stage, size / 2**20, time.perf_counter() - started)
     return str(path), client_state

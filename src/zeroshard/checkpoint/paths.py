@@ -37,8 +37,9 @@ def plain_name(name: object) -> bool:
 
 
 def plain_tag(tag: str) -> bool:
-    """Whether ``tag`` can name a checkpoint directory: a plain name other than ``latest``."""
-    return plain_name(tag) and tag != LATEST_FILE
+    """Whether ``tag`` can name a checkpoint directory: a plain name (``latest`` included, as in
+    DeepSpeed; :mod:`zeroshard.checkpoint.save` keeps it from colliding with the ``latest`` file)."""
+    return plain_name(tag)
 
 
 def read_latest(root: Path) -> str | None:
@@ -52,7 +53,7 @@ def read_latest(root: Path) -> str | None:
         raise CheckpointError(f"cannot read {path}: {e}") from e
     if not tag:
         raise CheckpointError(f"{path} is empty; pass tag=... explicitly")
-    if not plain_tag(tag):
+    if not plain_tag(tag) or tag == LATEST_FILE:  # a file cannot name itself: it is damaged
         raise CheckpointError(f"{path} names {tag!r}, which is not a checkpoint tag (a plain directory name); "
                               "the file is damaged, or pass tag=... explicitly")
     return tag
@@ -96,7 +97,9 @@ def _available(root: Path) -> list[str]:
 def resolve_checkpoint(root: str | Path, tag: str | None) -> Path | None:
     """The tag directory to load: ``root/tag``, or ``root/<latest>`` when ``tag`` is ``None``.
 
-    ``root`` may also be a tag directory itself (with ``tag=None``). Returns ``None`` when no tag
+    ``tag="latest"`` is the directory ``root/latest`` when there is one (a checkpoint saved under
+    that tag, as DeepSpeed allows), else the tag the ``latest`` file names (where DeepSpeed would
+    load nothing). ``root`` may also be a tag directory itself (with ``tag=None``). Returns ``None`` when no tag
     is given and there is no ``latest`` file, or no ``root`` at all (DeepSpeed then starts from
     scratch). A tag whose
     directory was renamed aside by an interrupted replacement (``.old-<tag>-*``) is found there.
@@ -116,6 +119,8 @@ def resolve_checkpoint(root: str | Path, tag: str | None) -> Path | None:
         tag = read_latest(root)
         if tag is None:
             return None
+    elif tag == LATEST_FILE and (root / LATEST_FILE).is_file():
+        tag = read_latest(root)
     path = root / str(tag)
     if not path.is_dir():
         asides = sorted(root.glob(f"{OLD_PREFIX}{tag}-*"))

@@ -20,6 +20,7 @@ import json
 import logging
 import secrets
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,19 +33,13 @@ from zeroshard.checkpoint.agree import together as _together
 from zeroshard.checkpoint.atomic import TMP_PREFIX, fault_point, publish_dir, write_file_atomic, write_file_durable
 from zeroshard.checkpoint.jsonable import TensorTable, encode
 from zeroshard.checkpoint.metadata import EXTRA_FILE, CheckpointMeta, ParamMeta, Piece, master_key, optim_key, rank_file
-from zeroshard.checkpoint.paths import LATEST_FILE, MARKER_FILE, META_FILE, marker_text, plain_tag
+from zeroshard.checkpoint.paths import LATEST_FILE, MARKER_FILE, META_FILE, marker_text
 from zeroshard.checkpoint.rng import capture_rng
 from zeroshard.checkpoint.safetensors_io import TensorSpec, write_safetensors
+from zeroshard.checkpoint.tags import agree_on_tag, check_tag, write_recovery_script
 from zeroshard.comm import collectives as C
-from zeroshard.errors import CheckpointError
 
 logger = logging.getLogger("zeroshard")
-
-
-def _check_tag(tag: str) -> str:
-    if not plain_tag(tag):
-        raise CheckpointError(f"invalid checkpoint tag {tag!r}: use a plain name such as 'global_step100'")
-    return tag
 
 
 def _nonce(group: dist.ProcessGroup | None) -> str:
@@ -113,13 +108,18 @@ def save_checkpoint(engine: Any, save_dir: str | Path, tag: str | None = None, c
     """Save ``engine`` to ``save_dir/<tag>`` (collective: call on every rank). See the module doc."""
     group = engine.group
     rank, world = C.rank(group), C.world_size(group)
-    tag = _check_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
+    wanted = agree_on_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}", group,
+                          engine.config.checkpoint.tag_validation)  # DeepSpeed's Warn/Ignore/Fail
+    tag = _together(lambda: check_tag(wanted, Path(save_dir), save_latest), group, "checking the checkpoint tag")
     C.check_same_across_ranks([tag, str(save_dir)], group, "save_checkpoint tag and directory")
     if engine.micro_steps % engine.gradient_accumulation_steps():
         logger.warning("saving checkpoint %s in the middle of a gradient accumulation window: the gradients "
                        "accumulated so far are not saved", tag)
     root = Path(save_dir)
     tmp = root / f"{TMP_PREFIX}{tag}-{_nonce(group)}"
+    started = time.perf_counter()
+    if rank == 0:
+        logger.info("saving checkpoint %s from %d ranks", root / tag, world)
     opt = engine.optimizer.optimizer
     trained = collect.trained_params(engine)
     table = TensorTable("meta/")
@@ -168,7 +168,8 @@ def save_checkpoint(engine: Any, save_dir: str | Path, tag: str | None = None, c
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     if rank == 0:
-        logger.info("saved checkpoint %s", root / tag)
+        logger.info("saved checkpoint %s: %.1f MiB of shards in %.1f s", root / tag, int(sizes.sum()) / 2**20,
+                    time.perf_counter() - started)
     return True
 
 
@@ -182,6 +183,7 @@ def _publish(meta: CheckpointMeta, tmp: Path, root: Path, tag: str, save_latest:
     publish_dir(tmp, root / tag)
     fault_point("renamed", 0)
     _remove_leftovers(root, tag)
+    write_recovery_script(root)  # DeepSpeed leaves zero_to_fp32.py beside its checkpoints too
     if save_latest:
         write_file_atomic(root / LATEST_FILE, tag.encode(), rank=0, fault="latest_partial")
     fault_point("done", 0)

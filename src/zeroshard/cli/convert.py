@@ -8,6 +8,13 @@ output file; otherwise it is a directory receiving ``model.safetensors``, or wit
 ``--max-shard-size`` Hugging Face shards plus ``model.safetensors.index.json``. Tensors are read,
 cast and written one at a time, so memory stays near the largest tensor. A bad path or an
 incomplete checkpoint exits with code 2 and a message naming it.
+
+``zeroshard convert CHECKPOINT_DIR OUT --to deepspeed --world-size N [--stage S] [--dtype D]
+[--ds-config ds_config.json]`` writes DeepSpeed 0.19's ZeRO checkpoint layout instead
+(``OUT/<tag>/`` and ``OUT/latest``) for a DeepSpeed job of ``N`` ranks at stage ``S`` in
+precision ``D``, which ``engine.load_checkpoint(OUT)`` resumes (see
+:mod:`zeroshard.checkpoint.to_deepspeed`). Stage, precision and gradient clipping come from the
+flags, else from ``--ds-config``, else from the source checkpoint.
 """
 
 from __future__ import annotations
@@ -27,11 +34,51 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="zeroshard or DeepSpeed checkpoint directory")
     p.add_argument("out", metavar="OUT", help="output .safetensors file, or a directory")
     p.add_argument("--tag", default=None, help="tag to convert (default: the one named by CHECKPOINT_DIR/latest)")
-    p.add_argument("--dtype", choices=DTYPES, default="fp32", help="dtype of floating-point tensors (default fp32)")
+    p.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="dtype of floating-point tensors (default fp32); --to deepspeed: the DeepSpeed job's precision")
     p.add_argument("--max-shard-size", default=None, metavar="SIZE",
                    help="split into Hugging Face shards of at most SIZE (e.g. 5GB, 500MB, 2GiB)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    p.add_argument("--to", choices=("safetensors", "deepspeed"), default="safetensors",
+                   help="output format (default safetensors; deepspeed: a checkpoint DeepSpeed 0.19 resumes)")
+    p.add_argument("--world-size", type=int, default=None, metavar="N",
+                   help="--to deepspeed: the DeepSpeed job's ranks")
+    p.add_argument("--stage", type=int, choices=(1, 2, 3), default=None,
+                   help="--to deepspeed: its ZeRO stage (default: --ds-config's, else the checkpoint's)")
+    p.add_argument("--ds-config", default=None, metavar="JSON",
+                   help="--to deepspeed: its config file (stage, precision, gradient_clipping, sub_group_size)")
     return p
+
+
+def _to_deepspeed(args: argparse.Namespace, parser: argparse.ArgumentParser, prog: str) -> int:
+    """``--to deepspeed``: write DeepSpeed's layout for the job the flags describe."""
+    if args.world_size is None or args.world_size < 1:
+        parser.error("--to deepspeed needs --world-size N (N >= 1): the number of ranks of the DeepSpeed job")
+    import torch
+
+    from zeroshard.checkpoint.paths import resolve_checkpoint
+    from zeroshard.checkpoint.source import open_source
+    from zeroshard.checkpoint.to_deepspeed import DeepSpeedTarget, load_ds_config, target_from_config
+    from zeroshard.checkpoint.to_deepspeed import write_deepspeed_checkpoint as write
+    from zeroshard.errors import CheckpointError
+
+    try:
+        config = load_ds_config(args.ds_config) if args.ds_config else {}
+        path = resolve_checkpoint(args.checkpoint_dir, args.tag)
+        if path is None:
+            raise CheckpointError(f"{args.checkpoint_dir} has no 'latest' file; pass --tag")
+        with open_source(path) as src:
+            target = target_from_config(config, args.world_size, src)
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype, target.dtype)
+        target = DeepSpeedTarget(args.world_size, args.stage or target.stage, dtype, target.gradient_clipping,
+                                 target.sub_group_size, config or None)
+        final = write(path, args.out, target)
+    except CheckpointError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    if not args.quiet:
+        print(final)
+    return 0
 
 
 def _progress(quiet: bool) -> tuple[Callable[[int, int, str], None] | None, Callable[[], None]]:
@@ -70,6 +117,9 @@ def main(argv: Sequence[str], prog: str = "zeroshard convert") -> int:
     out = Path(args.out)
     if out.suffix != ".safetensors" and out.exists() and not out.is_dir():
         parser.error(f"output {out} exists and is not a directory")
+    if args.to == "deepspeed":
+        return _to_deepspeed(args, parser, prog)
+    args.dtype = args.dtype or "fp32"
     if args.max_shard_size is not None:
         from zeroshard.checkpoint.consolidate import parse_size
 
@@ -85,6 +135,9 @@ def main(argv: Sequence[str], prog: str = "zeroshard convert") -> int:
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     update, close = _progress(args.quiet)
+    started = time.perf_counter()
+    if not args.quiet:
+        print(f"converting {src} to {out} ({args.dtype})", file=sys.stderr, flush=True)
     try:
         files = convert_checkpoint(src, out, tag=args.tag, dtype=dtype, max_shard_size=args.max_shard_size,
                                    progress=update)
@@ -94,6 +147,9 @@ def main(argv: Sequence[str], prog: str = "zeroshard convert") -> int:
         return 2
     close()
     if not args.quiet:
+        size = sum(Path(f).stat().st_size for f in files if Path(f).is_file())
+        print(f"converted {src}: {len(files)} file(s), {size / 2**20:.1f} MiB in {time.perf_counter() - started:.1f} s",
+              file=sys.stderr, flush=True)
         for f in files:
             print(f)
     return 0

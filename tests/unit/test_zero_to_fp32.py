@@ -1,0 +1,161 @@
+"""Conversions, single process: ``zeroshard.utils.zero_to_fp32`` (DeepSpeed's flags, file names and
+functions) and ``convert --to deepspeed`` (DeepSpeed's flat layouts at any world size and stage,
+read back by zeroshard's DeepSpeed reader, which never unpickles)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from torch import nn
+
+import zeroshard
+from zeroshard.checkpoint.source import MASTER, open_source
+from zeroshard.checkpoint.to_deepspeed import (
+    DeepSpeedTarget,
+    partition_size_12,
+    sub_groups_3,
+    write_deepspeed_checkpoint,
+)
+from zeroshard.cli.main import main as cli
+from zeroshard.errors import CheckpointError
+from zeroshard.utils import zero_to_fp32 as z2f
+
+
+class TiedNet(nn.Module):
+    """Tied embeddings, a buffer, a frozen layer, and two param groups (decay / no decay)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.norm, self.frozen = nn.Embedding(13, 7), nn.LayerNorm(7), nn.Linear(7, 7)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(7, 13, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("seen", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.head(self.frozen(self.norm(self.emb(x)))), y)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    created = not dist.is_initialized()
+    root = tmp_path_factory.mktemp("z2f") / "ckpt"
+    torch.manual_seed(0)
+    model = TiedNet()
+    groups = [{"params": [model.emb.weight]}, {"params": list(model.norm.parameters()), "weight_decay": 0.0}]
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=groups, config={
+        "train_micro_batch_size_per_gpu": 5, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+    for _ in range(2):
+        engine.backward(engine(torch.randint(0, 13, (5,)), torch.randint(0, 13, (5,))))
+        engine.step()
+    engine.save_checkpoint(root, client_state={"epoch": 3})
+    yield root
+    if created and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_cli_writes_deepspeeds_files(ckpt: Path, tmp_path: Path) -> None:
+    want = z2f.get_fp32_state_dict_from_zero_checkpoint(ckpt)
+    assert "head.weight" in want and want["head.weight"] is want["emb.weight"]  # tied: both names, as DeepSpeed
+    assert z2f.main([str(ckpt), str(tmp_path / "bin")]) == 0
+    got = torch.load(tmp_path / "bin" / "pytorch_model.bin", weights_only=True)
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype
+                                           for k in want)
+    assert z2f.main([str(ckpt), str(tmp_path / "st"), "--safe_serialization", "--max_shard_size", "200B",
+                     "-t", "global_step2", "--exclude_frozen_parameters"]) == 0
+    index = json.loads((tmp_path / "st" / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in (tmp_path / "st").glob("model-*.safetensors"))
+    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    loaded = {k: v for s in shards for k, v in load_file(tmp_path / "st" / s).items()}
+    expected = {k for k in want if not k.startswith("frozen.") and k != "head.weight"}  # tied once in safetensors
+    assert set(loaded) == expected == set(index["weight_map"])
+    assert all(torch.equal(loaded[k], want[k]) for k in expected)
+    assert z2f.main([str(ckpt), str(tmp_path / "sh"), "--max_shard_size", "300B"]) == 0
+    bin_index = json.loads((tmp_path / "sh" / "pytorch_model.bin.index.json").read_text())
+    assert set(bin_index["weight_map"]) == set(want)
+    model = z2f.load_state_dict_from_zero_checkpoint(TiedNet(), ckpt)
+    assert torch.equal(model.emb.weight, want["emb.weight"]) and torch.equal(model.seen, want["seen"])
+
+
+def test_cli_errors_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert z2f.main([str(tmp_path / "nope"), str(tmp_path / "out")]) == 2
+    assert "nope does not exist" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert z2f.main([str(tmp_path / "empty"), str(tmp_path / "out")]) == 2
+    assert "no 'latest' file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        z2f.main([str(tmp_path), str(tmp_path / "out"), "--max_shard_size", "lots"])
+    with pytest.raises(ValueError, match="unsupported output dtype"):
+        z2f.convert_zero_checkpoint_to_state_dict(tmp_path, tmp_path / "out", dtype="int8")
+
+
+def test_deepspeed_layout_math() -> None:
+    # DeepSpeed 0.19, 1770 elements on 2 ranks: partitions of 886 (rank 1 holds 884 + 2 padding)
+    assert partition_size_12(1770, 2) == 886 and partition_size_12(1770, 3) == 590 and partition_size_12(5, 4) == 2
+    assert sub_groups_3([4, 4, 4], 10**9) == [[0, 1, 2]]
+    assert sub_groups_3([4, 4, 4, 1], 8) == [[0, 1], [2, 3]]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_to_deepspeed_at_any_world_size(ckpt: Path, tmp_path: Path, stage: int) -> None:
+    """Every element of masters, moments and step survives zeroshard -> DeepSpeed(N) -> zeroshard's reader."""
+    with open_source(ckpt / "global_step2") as zs:
+        for world in (1, 2, 3, 4):
+            out = tmp_path / f"w{world}"
+            target = DeepSpeedTarget(world, stage, torch.bfloat16, sub_group_size=40)
+            write_deepspeed_checkpoint(ckpt, out, target)
+            tag = out / "global_step2"
+            prefix = sorted(p.name for p in tag.iterdir())
+            assert sum(n.startswith("bf16_zero_pp_rank_") for n in prefix) == world, prefix
+            with open_source(tag) as ds:
+                assert (ds.format, ds.world_size, ds.zero_stage) == ("deepspeed", world, stage)
+                assert list(ds.params) == list(zs.params) and ds.aliases == zs.aliases
+                assert ds.counters["global_steps"] == 2 and ds.client_state["epoch"] == 3
+                assert ds.lr_scheduler == zs.lr_scheduler
+                for name, p in zs.params.items():
+                    for key in (MASTER, "exp_avg", "exp_avg_sq"):
+                        assert torch.equal(ds.read(key, name, 0, p.numel), zs.read(key, name, 0, p.numel)), (key, name)
+                    assert float(ds.read_scalar("step", name)) == 2.0
+                for name in (*zs.buffers, *zs.frozen):
+                    assert torch.equal(ds.read_extra(name), zs.read_extra(name).bfloat16())
+                assert ds.param_groups == [{**g, "bias_correction": True} for g in zs.param_groups or []]
+            assert (out / "latest").read_text() == "global_step2"
+    with pytest.raises(CheckpointError, match="already exists"):
+        write_deepspeed_checkpoint(ckpt, tmp_path / "w1", DeepSpeedTarget(1, stage, torch.float32))
+
+
+def test_to_deepspeed_refusals_and_cli(ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(CheckpointError, match="stages 1, 2 and 3"):
+        DeepSpeedTarget(2, 0, torch.float32)
+    with pytest.raises(CheckpointError, match="at least 1"):
+        DeepSpeedTarget(0, 2, torch.float32)
+    with pytest.raises(SystemExit):
+        cli(["convert", str(ckpt), str(tmp_path / "x"), "--to", "deepspeed"])
+    assert "--world-size" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("[1]")
+    assert cli(["convert", str(ckpt), str(tmp_path / "x"), "--to", "deepspeed", "--world-size", "2",
+                "--ds-config", str(tmp_path / "bad.json")]) == 2
+    assert "bad.json is not a JSON object" in capsys.readouterr().err
+    (tmp_path / "fp16.json").write_text(json.dumps({"fp16": {"enabled": True, "loss_scale_window": 50},
+                                                    "zero_optimization": {"stage": 1}, "gradient_clipping": 0.5}))
+    assert cli(["convert", str(ckpt), str(tmp_path / "fp16"), "--to", "deepspeed", "--world-size", "2",
+                "--ds-config", str(tmp_path / "fp16.json"), "--quiet"]) == 0
+    files = sorted(p.name for p in (tmp_path / "fp16" / "global_step2").iterdir())
+    assert files == ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                     "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    with open_source(tmp_path / "fp16" / "global_step2") as ds:
+        assert ds.zero_stage == 1 and ds.loss_scaler is not None and ds.loss_scaler["dynamic"] is True
+    if importlib.util.find_spec("deepspeed") is not None:  # our own file: safe to unpickle with DeepSpeed's classes
+        osd = torch.load(tmp_path / "fp16" / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                         weights_only=False)["optimizer_state_dict"]
+        scaler = osd["loss_scaler"]
+        assert type(scaler).__name__ == "DynamicLossScaler" and scaler.scale_window == 50
+        assert osd["clip_grad"] == 0.5 and int(osd["zero_stage"]) == 1
