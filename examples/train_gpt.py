@@ -8,8 +8,9 @@ DeepSpeed, for comparison.
     zeroshard launch --nproc_per_node 2 examples/train_gpt.py --config examples/configs/stage2.json
     torchrun --nproc_per_node 2 examples/train_gpt.py --peer deepspeed --config examples/configs/stage1.json
 
-Rank 0 prints, every ``--log_interval`` steps, the loss (averaged over the gradient accumulation
-window and over all ranks) and the global throughput, then a summary. The script exits with status 1
+Rank 0 shows a progress bar (tqdm, on stderr) with the loss and tokens/s, prints, every
+``--log_interval`` steps, the loss (averaged over the gradient accumulation window and over all
+ranks) and the global throughput, then a summary. The script exits with status 1
 when the last loss is not below the first, so it doubles as a smoke test.
 """
 
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from gpt import GPT, GPTConfig
+from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parent
 
@@ -44,6 +46,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tie_weights", action="store_true", help="share the token embedding with the LM head")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--log_interval", type=int, default=10, help="print every N steps")
+    p.add_argument("--no_progress", action="store_true", help="no progress bar")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1,
                    help="ignored: set by some launchers; the rank is read from the environment")
     args = p.parse_args()
@@ -110,6 +113,8 @@ def main() -> int:
               f"grad_accum={accumulation} tokens/step={tokens_per_step} config={args.config}", flush=True)
 
     first_loss = last_loss = float("nan")
+    bar = tqdm(total=args.steps, desc="training", unit="step", file=sys.stderr, dynamic_ncols=True,
+               disable=rank != 0 or args.no_progress)
     start = time.perf_counter()
     last_log_step, last_log_time = 1, start
     after_first = start
@@ -121,6 +126,7 @@ def main() -> int:
             engine.backward(loss)
             engine.step()
             window_loss += loss.detach().float()
+        bar.update(1)
 
         if step == 1 or step == args.steps or step % args.log_interval == 0:
             dist.all_reduce(window_loss)  # every rank logs the same steps, so this collective matches
@@ -130,14 +136,18 @@ def main() -> int:
             now = time.perf_counter()
             if rank == 0:
                 line = f"step {step:5d} | loss {step_loss:.4f} | lr {engine.get_lr()[0]:.2e}"
+                postfix = {"loss": f"{step_loss:.4f}"}
                 if step > 1:  # step 1 includes the warm-up: throughput is measured from its end
                     rate = tokens_per_step * (step - last_log_step) / (now - last_log_time)
                     line += f" | {rate:,.0f} tokens/s"
-                print(line, flush=True)
+                    postfix["tokens/s"] = f"{rate:,.0f}"
+                bar.set_postfix(postfix)
+                bar.write(line, file=sys.stdout)  # above the bar, which stays at the bottom
             last_log_step, last_log_time = step, now
             if step == 1:
                 after_first = now
 
+    bar.close()
     wall = time.perf_counter() - start
     rate = tokens_per_step * (args.steps - 1) / (last_log_time - after_first) if args.steps > 1 else 0.0
     improved = last_loss < first_loss

@@ -5,14 +5,17 @@ on it before touching the output. Nothing here reads a global group: the engine 
 down. Shape agreement is checked once at set-up (:func:`check_same_across_ranks`) because a size
 mismatch inside a collective hangs instead of raising. Every collective here raises at once when
 started inside an :func:`on_ranks` block (code that some ranks do not run; see
-:mod:`zeroshard.comm.subset`).
+:mod:`zeroshard.comm.subset`), and goes through :func:`_logged`, where the communication logger
+(:mod:`zeroshard.monitor.comms`) times it while one is installed in :data:`HOOK`.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from functools import partial
+from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -28,6 +31,46 @@ ProcessGroup = dist.ProcessGroup
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the *_tensor names.
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 _all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+class _Waitable(Protocol):
+    def wait(self) -> object: ...
+
+
+_W = TypeVar("_W", bound="_Waitable | None")
+
+
+class Recorder(Protocol):
+    """What the communication logger (:mod:`zeroshard.monitor.comms`) offers the collectives."""
+
+    def run(self, op: str, nbytes: int, device: torch.device, launch: Callable[[], _W]) -> _W:
+        """Run ``launch`` (which starts collective ``op`` over ``nbytes``), measure and record it."""
+        ...
+
+
+class CommsHook:
+    """Where a communication logger plugs in: ``recorder`` is ``None`` while none is on, and then
+    a collective pays one attribute check (:func:`_logged`)."""
+
+    recorder: Recorder | None = None
+
+
+#: the process's communication logger slot (one per process, like DeepSpeed's ``comms_logger``)
+HOOK = CommsHook()
+
+
+def _logged(op: str, nbytes: int, device: torch.device, launch: Callable[[], _W]) -> _W:
+    """Start a collective through ``launch``, handing it to the communication logger when one is
+    on. ``op`` is DeepSpeed's name for it and ``nbytes`` the whole buffer (nccl-tests' size: the
+    gathered output of an all-gather, the unreduced input of a reduce-scatter)."""
+    recorder = HOOK.recorder
+    if recorder is None:
+        return launch()
+    return recorder.run(op, nbytes, device, launch)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _begin(operation: str) -> None:
@@ -90,7 +133,8 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | N
     if world_size(group) == 1:
         out.copy_(inp)
         return None
-    return _reduce_scatter_flat(out, inp, group=group, async_op=async_op)
+    return _logged("reduce_scatter_tensor", _nbytes(inp), inp.device,
+                   lambda: _reduce_scatter_flat(out, inp, group=group, async_op=async_op))
 
 
 class _RingReduceScatter(ReducedRow):
@@ -148,9 +192,11 @@ def reduce_scatter_rows(buf: torch.Tensor, group: ProcessGroup | None, tag: int 
     if n == 1:
         return ReducedRow(None, rows[0])
     if dist.get_backend(group) == "gloo":
-        return _RingReduceScatter(buf, group, tag)
+        return _logged("reduce_scatter_tensor", _nbytes(buf), buf.device,
+                       lambda: _RingReduceScatter(buf, group, tag))
     out = torch.empty(rows.shape[1], dtype=buf.dtype, device=buf.device)
-    return ReducedRow(_reduce_scatter_flat(out, buf, group=group, async_op=True), out)
+    return _logged("reduce_scatter_tensor", _nbytes(buf), buf.device,
+                   lambda: ReducedRow(_reduce_scatter_flat(out, buf, group=group, async_op=True), out))
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None,
@@ -160,7 +206,8 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None,
     if world_size(group) == 1:
         out.copy_(inp)
         return None
-    return _all_gather_flat(out, inp, group=group, async_op=async_op)
+    return _logged("all_gather_into_tensor", _nbytes(out), out.device,
+                   lambda: _all_gather_flat(out, inp, group=group, async_op=async_op))
 
 
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, async_op: bool = True,
@@ -169,21 +216,22 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, async_op: bool 
     _begin("all-reduce")
     if world_size(group) == 1:
         return None
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _logged("all_reduce", _nbytes(tensor), tensor.device,
+                   lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> None:
     """Blocking broadcast from global rank ``src``."""
     _begin("broadcast")
     if world_size(group) > 1:
-        dist.broadcast(tensor, src=src, group=group)
+        _logged("broadcast", _nbytes(tensor), tensor.device, lambda: dist.broadcast(tensor, src=src, group=group))
 
 
 def barrier(group: ProcessGroup | None) -> None:
     """Block until every rank of ``group`` reaches it."""
     _begin("barrier")
     if world_size(group) > 1:
-        dist.barrier(group=group)
+        _logged("barrier", 0, torch.device("cpu"), lambda: dist.barrier(group=group))
 
 
 def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: ProcessGroup | None,
@@ -205,7 +253,7 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: Proces
         buckets = consecutive_runs(kind, lambda t: t.numel() * t.element_size(), bucket_bytes)
         for chunk in buckets:
             flat = torch.cat([x.reshape(-1) for x in chunk])
-            dist.broadcast(flat, src=src, group=group)
+            _logged("broadcast", _nbytes(flat), flat.device, partial(dist.broadcast, flat, src=src, group=group))
             if receiving:
                 for x, piece in zip(chunk, flat.split([x.numel() for x in chunk])):
                     x.copy_(piece.view_as(x))

@@ -1,4 +1,4 @@
-"""Wall-clock timers for ``wall_clock_breakdown``: forward, backward and step durations.
+"""Wall-clock timers for ``wall_clock_breakdown``: forward, backward, reduction, step and gather durations.
 
 Disabled timers cost one attribute check. Enabled ones synchronise the device around each
 measured region (as DeepSpeed's do) so that accelerator time is attributed to the right phase.
@@ -39,6 +39,11 @@ class WallClockTimers:
             synchronize(self.device)
             self.totals[name] += time.perf_counter() - t0
             self.counts[name] += 1
+
+    def add(self, name: str, seconds: float) -> None:
+        """Count a duration measured elsewhere (hooks that cannot use the context manager)."""
+        self.totals[name] += seconds
+        self.counts[name] += 1
 
     def summary(self) -> str:
         """`` forward=12.3ms backward=...`` (mean per call), or ``""`` when disabled."""
