@@ -162,7 +162,7 @@ NOTES = """## How to read this
   same DDP; FSDP2 applies `fully_shard` to every block and the root. Matching final losses show the
   systems computed the same training.
 - **model state**: bytes of parameters, gradients, master weights and optimizer state held per rank
-  after backward and before the optimizer step. zeroshard: `engine.memory_breakdown()` (persistent
+  after backward and before the optimizer step. zeroshard: `engine.memory_usage()` (persistent
   entries); others: every distinct tensor storage reachable from the model and optimizer objects
   (tensors held only inside C++ are not seen). **ZeRO formula**: `P·Ψ + P·Ψ + K·Ψ` with
   parameters sharded from stage 3, gradients from stage 2 and optimizer state from stage 1

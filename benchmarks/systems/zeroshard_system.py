@@ -9,7 +9,7 @@ from benchmarks.systems.base import NotAvailable, deepspeed_config
 from benchmarks.systems.engine_loop import EngineLoop
 
 PERSISTENT = ("parameters", "gradients", "master_weights", "optimizer_states")
-"""``memory_breakdown()`` entries that persist between steps (model state). Others, such as stage 3's
+"""``memory_usage()`` entries that persist between steps (model state). Others, such as stage 3's
 ``gathered_peak`` (parameters gathered transiently for compute), are kept in the JSON only."""
 
 
@@ -28,7 +28,7 @@ def build(model: torch.nn.Module, job: Job, device: torch.device) -> EngineLoop:
         raise NotAvailable(f"not yet available: {exc}") from exc
 
     def breakdown() -> dict[str, int]:
-        mb = engine.memory_breakdown()
+        mb = engine.memory_usage()
         persistent = sum(v for k, v in mb.items() if k in PERSISTENT)
         return {"total": persistent, **{f"zeroshard_{k}": v for k, v in mb.items()}}
 

@@ -33,8 +33,13 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "load_state_dict_from_zero_checkpoint": (
         "zeroshard.checkpoint.consolidate", "load_state_dict_from_zero_checkpoint"),
     "zero": ("zeroshard.zero", None),
+    "checkpointing": ("zeroshard.checkpointing", None),
     "utils": ("zeroshard.utils", None),
     "runtime": ("zeroshard.runtime", None),
+    "comm": ("zeroshard.comm", None),
+    "accelerator": ("zeroshard.accelerator", None),
+    "DeepSpeedConfig": ("zeroshard.config.deepspeed_config", "DeepSpeedConfig"),
+    "add_config_arguments": ("zeroshard.config.deepspeed_config", "add_config_arguments"),
 }
 #: DeepSpeed's memory estimators, ``deepspeed.estimate_zero{2,3}_model_states_mem_needs[_all_live|_all_cold]``
 _ESTIMATORS = tuple(f"estimate_zero{stage}_model_states_mem_needs{suffix}"
@@ -44,11 +49,16 @@ _LAZY.update((name, ("zeroshard.estimate.formulas", name)) for name in _ESTIMATO
 __all__ = [
     "CheckpointError",
     "ConfigError",
+    "DeepSpeedConfig",
     "DistributedError",
     "NotYetSupportedError",
     "ZeroEngine",
     "ZeroshardError",
     "__version__",
+    "accelerator",
+    "add_config_arguments",
+    "comm",
+    "checkpointing",
     "get_fp32_state_dict_from_zero_checkpoint",
     "init_distributed",
     "initialize",

@@ -8,7 +8,7 @@ with the stage's gradient sync, and ``step`` calls the stage at accumulation bou
 from __future__ import annotations
 
 import logging
-import time
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -18,14 +18,19 @@ from zeroshard.comm import agreement
 from zeroshard.comm import collectives as C
 from zeroshard.comm.groups import local_rank
 from zeroshard.comm.watchdog import guarded
+from zeroshard.engine_api import DeepSpeedEngineAPI
+from zeroshard.monitor import MonitorMaster, Reporter
+from zeroshard.monitor.comms import CommsLogger
+from zeroshard.monitor.gather_timing import time_forward_gathers
 from zeroshard.monitor.timers import WallClockTimers
 from zeroshard.precision import LossScaler, PrecisionPolicy
+from zeroshard.profiling import FlopsProfiler, RunInfo
 from zeroshard.stages import ZeroOptimizer
 
 logger = logging.getLogger("zeroshard")
 
 
-class ZeroEngine(torch.nn.Module):
+class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
     """Wraps a module for sharded, mixed-precision data-parallel training.
 
     Built by :func:`zeroshard.initialize`; use ``engine(batch)``, ``engine.backward(loss)`` and
@@ -53,35 +58,30 @@ class ZeroEngine(torch.nn.Module):
         self._backwards = 0
         self._window_loss = torch.zeros((), dtype=torch.float32, device=self.device)
         self._window_count = 0
-        self._last_print = time.perf_counter()
         self.timers = WallClockTimers(enabled=bool(config.wall_clock_breakdown), device=self.device)
         #: ZeRO-3's parameter coordinator (``None`` at stages 0-2)
         self._coordinator = getattr(optimizer, "coordinator", None)
         if self._coordinator is not None:  # its errors name the step
             self._coordinator.step = lambda: self.global_steps
+            time_forward_gathers(list(self._coordinator.module_units), self.timers)
+        #: the config's monitors (TensorBoard, CSV, W&B, Comet); they write from rank 0
+        self.monitor = MonitorMaster(config, self.global_rank)
+        #: the progress line and the monitors' scalars; ``reporter.tokens_per_sample`` overrides the
+        #: token count taken from the inputs (:mod:`zeroshard.monitor.report`)
+        self.reporter = Reporter(config, group, self.device, self.timers, self.monitor)
+        #: ``comms_logger``: counts and times every collective of the process (``comms_summary()``)
+        self.comms_logger = (CommsLogger(config.comms_logger, self.global_rank, self.world_size).install()
+                             if config.comms_logger.enabled else None)
+        #: ``flops_profiler``: the forwards of step ``profile_step``, on rank 0 (as DeepSpeed)
+        self.flops_profiler = (FlopsProfiler(module, config.flops_profiler, RunInfo(
+            self.world_size, self.train_micro_batch_size_per_gpu(), self.device, policy.param_dtype))
+            if config.flops_profiler.enabled and self.global_rank == 0 else None)
 
     # -- DeepSpeed accessors ---------------------------------------------------------------------
     @property
     def scaler(self) -> LossScaler:
         """The fp16 loss scaler (a constant 1.0 scaler otherwise)."""
         return self.optimizer.scaler
-
-    @property
-    def loss_scale(self) -> float:
-        """Current loss scale (1.0 unless fp16)."""
-        return self.scaler.scale
-
-    def gradient_accumulation_steps(self) -> int:
-        """Micro-steps per optimizer step."""
-        return int(self.config.gradient_accumulation_steps)
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        """Samples per rank per micro-step."""
-        return int(self.config.train_micro_batch_size_per_gpu)
-
-    def train_batch_size(self) -> int:
-        """Samples per optimizer step over all ranks."""
-        return int(self.config.train_batch_size)
 
     def zero_optimization_stage(self) -> int:
         """The ZeRO stage in use."""
@@ -99,8 +99,9 @@ class ZeroEngine(torch.nn.Module):
         """Global gradient norm (unscaled, before clipping) of the last applied step."""
         return self.optimizer.global_grad_norm
 
-    def memory_breakdown(self) -> dict[str, int]:
-        """Bytes this rank holds: ``parameters`` (module tensors materialized now), ``gradients``,
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes this rank holds (DeepSpeed's ``memory_breakdown()`` is the config flag):
+        ``parameters`` (module tensors materialized now), ``gradients``,
         ``master_weights``, ``optimizer_states``, under ZeRO-3 ``parameter_shard`` (16-bit shard
         at rest) and ``gathered_peak`` (most gathered parameter bytes seen at once),
         ``comm_workspace`` (reused communication buffers, bounded by the bucket sizes), and
@@ -109,6 +110,18 @@ class ZeroEngine(torch.nn.Module):
         out = {"parameters": params, **self.optimizer.memory_breakdown()}
         out["total"] = sum(v for k, v in out.items() if not k.endswith(("_peak", "_workspace")))
         return out
+
+    def comms_summary(self, print_log: bool = True, reset: bool = False) -> dict[str, Any]:
+        """The communication logger's summary for this rank (``comms_logger`` must be enabled):
+        DeepSpeed's ``deepspeed.comm.log_summary(return_dict=True)`` dictionary, per op and message
+        size: count, total and mean latency (ms), algorithm and bus bandwidth (Gbps). With
+        ``print_log`` rank 0 logs DeepSpeed's table; ``reset`` starts counting afresh."""
+        if self.comms_logger is None:
+            from zeroshard.errors import ConfigError
+
+            raise ConfigError("comms_summary() needs the communication logger: set it to true",
+                              key="comms_logger.enabled")
+        return self.comms_logger.summary(print_log, reset)
 
     def gathered(self, enabled: bool = True) -> Any:
         """Keep every parameter gathered for the block (ZeRO-3; a no-op otherwise).
@@ -145,32 +158,35 @@ class ZeroEngine(torch.nn.Module):
             self._coordinator.start_pass()
             if torch.is_grad_enabled():
                 self._forwards += 1  # stages 0-2 may run forwards on some ranks only (no collectives)
-        with self.timers("forward"):
+        self.reporter.count_forward(args, kwargs)
+        profiled = self.flops_profiler.forward(self.global_steps) if self.flops_profiler is not None else nullcontext()
+        with self.timers("forward"), profiled:
             return self.module(*args, **kwargs)
 
     @guarded("backward of step {step}")
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate ``loss``: divided by the accumulation steps and multiplied by the fp16 scale.
 
-        Returns the loss as given (unscaled), which is also what the engine logs.
+        Returns the loss divided by the accumulation steps (with ``scale_wrt_gas``), as DeepSpeed;
+        the engine logs the loss as given. Inside :meth:`no_sync` gradients are not reduced.
         """
         # Kept on the device: a .item() here would sync the accelerator every micro-step.
         self._window_loss += loss.detach().float().sum()
         self._window_count += 1
-        scaled = loss
-        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
-            scaled = scaled / self.gradient_accumulation_steps()
+        gas_scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
+        scaled = gas_scaled
         if self.scaler.scale != 1.0:
             scaled = scaled.float() * self.scaler.scale
-        boundary = self.is_gradient_accumulation_boundary()
+        boundary = self.is_gradient_accumulation_boundary() and not self.inside_no_sync_ctxt
         if boundary or self.zero_optimization_stage() >= 2:  # before this backward reduces anything
             self._check_agreement()
         self._backwards += 1
         with self.timers("backward"):
             self.optimizer.start_backward(boundary)
             scaled.backward(retain_graph=retain_graph)
+        with self.timers("reduce"):  # the gradient communication that backward did not overlap
             self.optimizer.finish_backward()
-        return loss
+        return gas_scaled
 
     def _check_agreement(self, kind: int = agreement.BACKWARD) -> None:
         """Before this backward reduces gradients (or a checkpoint is saved): every rank is at the
@@ -187,31 +203,40 @@ class ZeroEngine(torch.nn.Module):
                         co.unit_names if co is not None else None, kind=kind, ga=ga)
 
     @guarded("optimizer step {step}")
-    def step(self) -> None:
-        """At an accumulation boundary: reduce, unscale, clip, step the optimizer and scheduler.
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """At an accumulation boundary: reduce, unscale, clip, step the optimizer and scheduler
+        (``lr_scheduler.step(**lr_kwargs)``, as DeepSpeed).
 
         Between boundaries it only counts the micro-step.
         """
+        if self.inside_no_sync_ctxt:
+            raise RuntimeError("engine.step() inside no_sync() is illegal (as in DeepSpeed): leave the block first")
+        self._step_applied = False
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:
             return
         self._new_window()
+        self._check_unused_parameters()
+        self._log_memory("before step")
         with self.timers("step"):
             try:
                 applied = self.optimizer.step()
             except FloatingPointError as e:  # fp16 overflow at the minimum loss scale
                 raise FloatingPointError(f"optimizer step {self.global_steps}: {e}{self._culprit()}") from None
+        self._step_applied = bool(applied)
         if applied:
             if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
+                self.lr_scheduler.step(**(lr_kwargs or {}))
         else:
             self.skipped_steps += 1
             if not getattr(self.scaler, "dynamic", False):  # fp16's dynamic scaler reports its own
                 self._non_finite()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
-        self._report()
+        self._report(applied)
+        if self.flops_profiler is not None:
+            self.flops_profiler.step_done(self.global_steps - 1)  # reports the profiled step
 
     def _new_window(self) -> None:
         self._forwards = self._backwards = 0
@@ -241,23 +266,11 @@ class ZeroEngine(torch.nn.Module):
         """Forget accumulated gradients (the engine already does after every step)."""
         self.optimizer.zero_grad()
 
-    def _report(self) -> None:
-        every = self.config.steps_per_print
-        if not every or self.global_steps % every:
-            return
-        loss = float(self._window_loss.item()) / max(self._window_count, 1)
-        if self.global_rank == 0:
-            with C.on_ranks([0], "printing the training report, which runs on rank 0 only"):
-                elapsed = time.perf_counter() - self._last_print
-                norm = self.get_global_grad_norm()
-                logger.info(
-                    "step=%d skipped=%d loss=%.4f lr=%s loss_scale=%g grad_norm=%s samples/s=%.1f%s",
-                    self.global_steps, self.skipped_steps, loss, [f"{lr:.3g}" for lr in self.get_lr()],
-                    self.loss_scale, f"{norm:.4g}" if norm is not None else "n/a",
-                    every * self.train_batch_size() / max(elapsed, 1e-9), self.timers.summary(),
-                )
-        self.timers.reset()
-        self._last_print = time.perf_counter()
+    def _report(self, applied: bool) -> None:
+        """After each optimizer step: its mean loss (on the device) and numbers go to the reporter,
+        which logs every ``steps_per_print`` steps and feeds the monitors."""
+        if self.reporter.active:
+            self.reporter.step_done(self, self._window_loss / max(self._window_count, 1), applied)
         self._window_loss.zero_()
         self._window_count = 0
 

@@ -8,7 +8,9 @@ scheduler and data loader.
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
@@ -16,13 +18,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zeroshard.activations import configure_from_initialize as _configure_activation_checkpointing
 from zeroshard.comm import collectives as C
 from zeroshard.comm import watchdog
 from zeroshard.comm.groups import init_distributed, local_rank
-from zeroshard.config import ZeroshardConfig, load_config
+from zeroshard.config import ZeroshardConfig, load_config, to_dict
+from zeroshard.config.no_effect import warn_no_effect
 from zeroshard.device import default_device
 from zeroshard.engine import ZeroEngine
 from zeroshard.errors import ConfigError, NotYetSupportedError
+from zeroshard.monitor.logs import install_default_handler
 from zeroshard.optim import build_optimizer, build_scheduler
 from zeroshard.partition import full_numel
 from zeroshard.precision import PrecisionPolicy, make_loss_scaler
@@ -41,13 +46,15 @@ def initialize(
     model_parameters: Iterable[Any] | None = None,
     training_data: torch.utils.data.Dataset | None = None,
     lr_scheduler: Any = None,
+    distributed_port: int | None = None,
     mpu: Any = None,
     dist_init_required: bool | None = None,
     collate_fn: Callable[..., Any] | None = None,
     config: Any = None,
+    mesh_param: Any = None,
     config_params: Any = None,
     auto_values: dict[str, Any] | None = None,
-    **deepspeed_only: Any,
+    **unknown: Any,
 ) -> tuple[ZeroEngine, ZeroOptimizer, torch.utils.data.DataLoader | None, Any]:
     """Wrap ``model`` for ZeRO training, as ``deepspeed.initialize`` does.
 
@@ -61,31 +68,41 @@ def initialize(
         training_data: a dataset; a ``DataLoader`` with a ``DistributedSampler`` and the
             configured micro batch is returned for it.
         lr_scheduler: a scheduler instance over ``optimizer``, or a callable taking the optimizer.
+        distributed_port: accepted for compatibility; the launcher's ``MASTER_PORT`` is used.
         mpu: model-parallel unit; not supported (a clear error).
         dist_init_required: accepted for compatibility; the process group is created when absent.
         collate_fn: collate function for the returned data loader.
         config: a path, dict, JSON string or :class:`ZeroshardConfig` in DeepSpeed's schema.
+        mesh_param: DeepSpeed's device-mesh sizes; not supported (a clear error).
         config_params: DeepSpeed's older name for ``config``.
         auto_values: values for ``"auto"`` entries, keyed by dotted path
             (``{"optimizer.params.lr": 3e-4}``).
-        **deepspeed_only: other DeepSpeed arguments (``distributed_port``, ...), accepted and unused.
+        **unknown: any other keyword is a ``TypeError`` naming it, with the closest valid name.
 
     Returns:
         ``(engine, optimizer, dataloader, lr_scheduler)``.
     """
+    _reject_unknown_keywords(unknown)
     if model is None:
         raise ConfigError("initialize() needs model=...")
     if mpu is not None:
         raise NotYetSupportedError("model parallelism (mpu=...) is not supported", key="mpu")
+    if mesh_param is not None:
+        raise NotYetSupportedError("device meshes (mesh_param=...) for tensor/sequence parallelism are not supported",
+                                   key="mesh_param")
     config = config if config is not None else config_params
     if config is None:
-        config = getattr(args, "deepspeed_config", None)
+        config = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
     if config is None:
         raise ConfigError("initialize() needs config=... (a path, dict or JSON string in DeepSpeed's schema)")
+    install_default_handler()  # progress visible on stderr unless the application configured logging
+    started = time.perf_counter()
     init_distributed()
     group = None  # the default (world) group: the one the user created, or ours
     cfg = load_config(config, world_size=C.world_size(group), auto_values=auto_values)
+    logger.info("zeroshard: initialize: ZeRO stage %d on %d ranks", cfg.zero_stage, C.world_size(group))
     _check_same_config(cfg, group)
+    _configure_activation_checkpointing(cfg)  # the activation_checkpointing block, unless configure() was called
     if cfg.collective_timeout is not None:
         watchdog.set_timeout(timedelta(seconds=float(cfg.collective_timeout)), group)
     watchdog.start_heartbeat()
@@ -122,6 +139,7 @@ def initialize(
     )
     if policy.param_dtype != torch.float32:
         model.to(policy.param_dtype)
+    zero_opt.sync.scaling = _reduce_scaling(cfg, C.world_size(group))
     _bind_optimizer(zero_opt, optimizer, cfg)
     scheduler = _scheduler(lr_scheduler, zero_opt, cfg)
     loader = _dataloader(training_data, cfg, collate_fn, group)
@@ -132,9 +150,45 @@ def initialize(
         if C.rank(group) == 0:
             logger.warning("zeroshard: %s", f"resumed from {path} at step {engine.global_steps}" if path else
                            f"auto_resume: no checkpoint in {cfg.checkpoint.auto_resume} yet, starting afresh")
-    logger.info("zeroshard: ZeRO stage %d, %s, world size %d, %d trainable parameters",
-                spec.stage, policy.param_dtype, engine.world_size, sum(full_numel(p) for p in zero_opt.master.views))
+    if C.rank(group) == 0:
+        warn_no_effect(cfg)
+        if cfg.dump_state:  # DeepSpeed's dump_state: the engine's settings after initialization
+            logger.info("zeroshard: dump_state: %s", json.dumps(to_dict(cfg), indent=2, sort_keys=True))
+    logger.info("zeroshard: ZeRO stage %d, %s, world size %d, %d trainable parameters, initialized in %.1f s",
+                spec.stage, policy.param_dtype, engine.world_size, sum(full_numel(p) for p in zero_opt.master.views),
+                time.perf_counter() - started)
     return engine, zero_opt, loader, scheduler
+
+
+def _reduce_scaling(cfg: ZeroshardConfig, world: int) -> tuple[float, float] | None:
+    """DeepSpeed's placement of the gradient average around the reduction: ``(pre, post)`` factors.
+
+    ``prescale_gradients`` divides by the world size before the reduction; otherwise gradients are
+    divided by ``gradient_predivide_factor`` before it and by ``world / factor`` after it (keeping
+    16-bit sums in range). Both at their defaults: ``None``, the stage's own placement (stages 0-1
+    divide as gradients are accumulated, stages 2-3 after each reduction), which only rounds
+    differently.
+    """
+    if cfg.prescale_gradients:
+        return 1.0 / world, 1.0
+    factor = float(cfg.gradient_predivide_factor)
+    if factor == 1.0:
+        return None
+    return 1.0 / factor, factor / world
+
+
+def _reject_unknown_keywords(unknown: dict[str, Any]) -> None:
+    """``initialize(**kwargs)`` takes DeepSpeed's keywords only: a typo is an error, not ignored."""
+    if not unknown:
+        return
+    import difflib
+    import inspect
+
+    valid = [n for n, p in inspect.signature(initialize).parameters.items() if p.kind is not p.VAR_KEYWORD]
+    name = sorted(unknown)[0]
+    close = difflib.get_close_matches(name, valid, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; valid keywords: {', '.join(valid)}"
+    raise TypeError(f"initialize() got an unexpected keyword argument {name!r}{hint}")
 
 
 def _note_default_clipping(cfg: Any, group: Any) -> None:

@@ -109,7 +109,7 @@ def accessors_worker(rank: int, world: int) -> dict:
         "norm": engine.get_global_grad_norm(),
         "same_optimizer": opt.optimizer is client_opt,
         "loader_is_none": loader is None,
-        "scale": engine.loss_scale,
+        "scale": engine.cur_scale,
         "momentum_state": sum(s["momentum_buffer"].numel() for s in client_opt.state.values()),
         "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
     }

@@ -116,7 +116,7 @@ def precision_runs(rank: int, world: int, root: str) -> dict[str, dict[str, torc
                 engine.save_checkpoint(ckpt_dir(root, 2, world, precision))
             train(engine, range(K, K + J), rank, world)
             out[f"{precision}/{'resumed' if resume else 'reference'}"] = weights(engine)
-            out[f"{precision}/{'resumed' if resume else 'reference'}/scale"] = torch.tensor(engine.loss_scale)
+            out[f"{precision}/{'resumed' if resume else 'reference'}/scale"] = torch.tensor(engine.cur_scale)
     return out
 
 

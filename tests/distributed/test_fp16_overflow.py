@@ -36,7 +36,7 @@ def overflow_worker(rank: int, world: int, stage: int) -> dict:
                 loss = loss * float("inf")  # only this rank's gradients become non-finite
             engine.backward(loss)
             engine.step()
-        scales.append(engine.loss_scale)
+        scales.append(engine.cur_scale)
         changed.append(any(not torch.equal(b, p) for b, p in zip(before, engine.module.parameters())))
     return {
         "skipped": engine.skipped_steps,

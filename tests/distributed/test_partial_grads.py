@@ -99,7 +99,7 @@ def worker(rank: int, world: int) -> dict[int, dict]:
                 engine.step()
         with engine.gathered():
             params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-        out[stage] = {"params": params, "mem": engine.memory_breakdown()}
+        out[stage] = {"params": params, "mem": engine.memory_usage()}
     return out
 
 

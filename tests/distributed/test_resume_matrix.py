@@ -68,7 +68,7 @@ def masters(engine) -> dict[str, tuple[int, int, torch.Tensor]]:
 
 def state(engine) -> dict:
     return {"w": masters(engine), "steps": engine.global_steps, "samples": engine.global_samples,
-            "lr": engine.get_lr()[0], "scale": float(engine.loss_scale)}
+            "lr": engine.get_lr()[0], "scale": float(engine.cur_scale)}
 
 
 def assemble(ranks: list[dict]) -> torch.Tensor:

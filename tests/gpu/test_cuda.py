@@ -79,4 +79,4 @@ def test_cuda_zero_init_hugging_face() -> None:
         engine.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0]
-    assert engine.memory_breakdown()["parameters"] == 0  # at rest: only the shard
+    assert engine.memory_usage()["parameters"] == 0  # at rest: only the shard

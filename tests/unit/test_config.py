@@ -449,12 +449,6 @@ def test_offload_param_requires_stage3() -> None:
             {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
             "zero_optimization.offload_optimizer.device",
         ),
-        ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing"),
-        ({"tensorboard": {"enabled": True}}, "tensorboard.enabled"),
-        ({"csv_monitor": {"enabled": True}}, "csv_monitor.enabled"),
-        ({"wandb": {"enabled": True}}, "wandb.enabled"),
-        ({"comet": {"enabled": True}}, "comet.enabled"),
-        ({"flops_profiler": {"enabled": True}}, "flops_profiler.enabled"),
     ],
 )
 def test_not_yet_supported(overrides: dict[str, Any], key: str) -> None:

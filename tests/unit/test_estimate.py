@@ -4,7 +4,7 @@ All single-process. What is compared with what:
 
 - DeepSpeed's ``estimate_zero{2,3}_*`` (numbers and printed tables) against DeepSpeed 0.19's own
   functions when importable, and against the formulas transcribed from its source always;
-- zeroshard's model-state estimate against ``engine.memory_breakdown()["total"]`` of a real GPT
+- zeroshard's model-state estimate against ``engine.memory_usage()["total"]`` of a real GPT
   (``examples/gpt.py``) at every stage, bf16 and fp32, world size 1 (within 10%; measured exact up
   to Adam's step counters);
 - the activation estimate against two measurements of one forward with autograd on, on CPU: the
@@ -288,7 +288,7 @@ def test_model_states_match_memory_breakdown(dtype: str) -> None:
         if dtype == "bf16":
             config["bf16"] = {"enabled": True}
         engine, _ = _train_one_step(GPT(SMALL), config)
-        measured = engine.memory_breakdown()
+        measured = engine.memory_usage()
         est = model_states(spec, stage, 1, dtype)
         assert abs(est.total - measured["total"]) <= 0.10 * measured["total"], (stage, est.breakdown, measured)
         for key, value in est.breakdown.items():  # key by key, up to Adam's step counters
@@ -300,7 +300,7 @@ def test_model_states_match_memory_breakdown(dtype: str) -> None:
 
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_model_states_follow_zero_formulas(world: int) -> None:
-    # The same formulas tests/distributed/test_memory.py checks memory_breakdown() against on 2 and 4 ranks.
+    # The same formulas tests/distributed/test_memory.py checks memory_usage() against on 2 and 4 ranks.
     with torch.device("meta"):
         spec = spec_from_module(GPT(SMALL), "gpt")
     psi, tensors = spec.total_params, len(spec.param_numels or ())

@@ -79,25 +79,29 @@ class CheckpointConfig(ConfigModel):
 
 
 class ActivationCheckpointingConfig(ConfigModel):
-    """Activation checkpointing options (used by the activation-checkpointing API)."""
+    """Activation checkpointing options, applied by ``initialize`` to :mod:`zeroshard.checkpointing`
+    (unless the script called ``zeroshard.checkpointing.configure`` itself, which wins)."""
 
     partition_activations: bool = False
-    """Partition checkpointed activations across model-parallel ranks."""
+    """Keep 1/N of each checkpointed input on each of the N ranks of the model-parallel group (the
+    ``mpu`` given to ``checkpointing.configure``) and all-gather it at recomputation; without such
+    a group it has no effect (data-parallel ranks hold different activations)."""
 
     cpu_checkpointing: bool = False
-    """Offload checkpointed activations to CPU."""
+    """Keep checkpointed inputs (or their partitions) in host memory until recomputation."""
 
     contiguous_memory_optimization: bool = False
-    """Copy checkpointed activations into a contiguous buffer."""
+    """Accepted without effect: torch's caching allocator reuses freed blocks, so there is no
+    fragmentation for DeepSpeed's contiguous buffer to avoid."""
 
     number_checkpoints: Int | None = Field(default=None, gt=0)
-    """Number of activation checkpoints (sizes the contiguous buffer)."""
+    """Accepted without effect: it only sizes DeepSpeed's contiguous buffer."""
 
     synchronize_checkpoint_boundary: bool = False
-    """Synchronize the device at each checkpoint boundary."""
+    """Synchronize the device at the start and end of each checkpointed forward and recomputation."""
 
     profile: bool = False
-    """Log the time spent in activation checkpointing."""
+    """Log the time of each checkpointed forward and recomputation (logger ``zeroshard``)."""
 
 
 class TensorBoardConfig(ConfigModel):
@@ -182,11 +186,11 @@ class FlopsProfilerConfig(ConfigModel):
     recompute_fwd_factor: Float = Field(default=0.0, ge=0)
     """Fraction of the forward pass recomputed by activation checkpointing."""
 
-    profile_step: Int = Field(default=1, ge=1)
-    """Training step at which to profile."""
+    profile_step: Int = Field(default=1, ge=0)
+    """Training step at which to profile, counted from 0 (the default 1 leaves one warm-up step)."""
 
-    module_depth: Int = -1
-    """Depth of the module tree to report (-1: all)."""
+    module_depth: Int = Field(default=-1, ge=-1)
+    """Depth of the module tree to report (0: the model only; -1: all)."""
 
     top_modules: Int = Field(default=1, ge=1)
     """Number of top modules to report."""
@@ -195,7 +199,12 @@ class FlopsProfilerConfig(ConfigModel):
     """Print the detailed per-module profile."""
 
     output_file: str | None = None
-    """File to write the profile to (None: stdout)."""
+    """File to write the profile to (None: the ``zeroshard`` log, rank 0)."""
+
+    peak_tflops: Float | None = Field(default=None, gt=0)
+    """zeroshard extension (DeepSpeed has no such key): peak TFLOPS of one device for the model FLOPs
+    utilisation (MFU). Unset: taken from a table of known devices (H100/H200 989, A100 312, dense
+    bf16/fp16), else reported as unknown."""
 
 
 class CommsLoggerConfig(ConfigModel):

@@ -125,7 +125,6 @@ DEEPSPEED_ONLY: dict[str, Any] = {
     # precision
     "fp16.fp16_master_weights_and_grads": False,
     "bf16.immediate_grad_update": False,
-    "bf16.check_grad_overflow": False,
     "bf16.bf16_master_weights_and_grads": False,
     "bf16.bf16_optimizer_states": False,
     "data_types.param_dtype": None,

@@ -52,6 +52,11 @@ class BF16Config(ConfigModel):
     """Cast floating-point inputs of the model's forward to bf16. zeroshard defaults to True (cast floating
     inputs by default); DeepSpeed has no such key for bf16."""
 
+    check_grad_overflow: bool = True
+    """Skip the optimizer step when the gradient norm is NaN or Inf (DeepSpeed's default, True). zeroshard
+    always checks (``non_finite_gradients`` chooses skip or raise): ``false``, which in DeepSpeed applies
+    such a step, changes nothing here and draws a warning."""
+
 
 class DataTypesConfig(ConfigModel):
     """Explicit data types for parts of the training step."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from zeroshard.config.blocks import ActivationCheckpointingConfig
 from zeroshard.config.schema import ZeroshardConfig
 from zeroshard.errors import NotYetSupportedError
 
@@ -39,25 +38,10 @@ def _offloaded(device: str) -> bool:
     return device != "none"
 
 
-def _enabled(value: bool) -> bool:
-    return value
-
-
-def _not_default(block: ActivationCheckpointingConfig) -> bool:
-    return block != ActivationCheckpointingConfig()
-
-
 # fmt: off
 NOT_YET_SUPPORTED: list[NotYetSupported] = [
     NotYetSupported("zero_optimization.offload_optimizer.device", _offloaded, "optimizer offload", "offload"),
     NotYetSupported("zero_optimization.offload_param.device", _offloaded, "parameter offload", "offload"),
-    NotYetSupported("activation_checkpointing", _not_default, "activation checkpointing", "activation ckpt"),
-    NotYetSupported("tensorboard.enabled", _enabled, "the TensorBoard monitor", "monitoring"),
-    NotYetSupported("csv_monitor.enabled", _enabled, "the CSV monitor", "monitoring"),
-    NotYetSupported("wandb.enabled", _enabled, "the Weights & Biases monitor", "monitoring"),
-    NotYetSupported("comet.enabled", _enabled, "the Comet monitor", "monitoring"),
-    NotYetSupported("flops_profiler.enabled", _enabled, "the FLOPs profiler", "profiling"),
-    NotYetSupported("comms_logger.enabled", _enabled, "the communication logger", "profiling"),
 ]
 """Features not supported yet, checked in order by :func:`check_supported`. Delete a row when its feature
 lands."""

@@ -2,7 +2,7 @@
 
 :func:`estimate` returns one :class:`Row` per stage and offload choice. Rows without offload are
 zeroshard's own residency (:mod:`zeroshard.estimate.states`, which matches
-``engine.memory_breakdown()``) plus its communication buffers and ZeRO-3 gathered units; rows
+``engine.memory_usage()``) plus its communication buffers and ZeRO-3 gathered units; rows
 with offload are DeepSpeed's numbers (:mod:`zeroshard.estimate.formulas`), since zeroshard does
 not offload yet. Activations (:mod:`zeroshard.estimate.activations`) are added to every row, with
 and without activation checkpointing.

@@ -1,6 +1,6 @@
 """zeroshard's own residency per rank: model states, communication buffers, ZeRO-3 gathered units.
 
-The model-state part predicts ``engine.memory_breakdown()`` key by key (Ψ parameters, N ranks,
+The model-state part predicts ``engine.memory_usage()`` key by key (Ψ parameters, N ranks,
 ``c`` the compute dtype's bytes, ``a`` the gradient-accumulation dtype's, Adam's two fp32
 moments; shards are padded per parameter to a multiple of N, as :mod:`zeroshard.partition` lays
 them out):
@@ -62,7 +62,7 @@ class Buckets:
 
 @dataclass(frozen=True)
 class StateEstimate:
-    """Bytes per rank: ``breakdown`` as ``memory_breakdown()`` reports it, plus working buffers."""
+    """Bytes per rank: ``breakdown`` as ``memory_usage()`` reports it, plus working buffers."""
 
     breakdown: dict[str, int]
     workspace: int
@@ -71,7 +71,7 @@ class StateEstimate:
 
     @property
     def total(self) -> int:
-        """Model state: what ``memory_breakdown()["total"]`` reports."""
+        """Model state: what ``memory_usage()["total"]`` reports."""
         return self.breakdown["total"]
 
     @property

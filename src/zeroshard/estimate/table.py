@@ -65,7 +65,7 @@ def render_estimate(est: Estimate) -> str:
                       "yes" if r.runs_today else "not yet (DeepSpeed's numbers)"))
     lines += ["", *_grid(cells, right={2, 3, 4, 5, 6}), ""]
     lines += [
-        "model states: parameters, gradients, fp32 master weights, Adam's moments (engine.memory_breakdown()).",
+        "model states: parameters, gradients, fp32 master weights, Adam's moments (engine.memory_usage()).",
         "buffers: communication buckets at DeepSpeed's default sizes; at stage 3 also the gathered parameters.",
         "GPU total: model states + buffers + activations; add ~1 GiB for the CUDA context.",
         "CPU per node: every process builds the model on the CPU (stage 3: under zero.Init), x1.5 as DeepSpeed.",

@@ -1,5 +1,41 @@
-"""``zeroshard.utils``: helpers under DeepSpeed's ``deepspeed.utils`` names."""
+"""``zeroshard.utils``: helpers under DeepSpeed's ``deepspeed.utils`` names.
+
+``logger`` and ``log_dist`` (:mod:`.logging`), the ``safe_get_full_*``/``safe_set_*``/``safe_get_local_*``
+accessors of sharded parameters, gradients and optimizer states (:mod:`.tensor_fragment`), and
+``set_z3_leaf_modules``.
+"""
 
 from zeroshard.stages.units import set_z3_leaf_modules
+from zeroshard.utils.logging import log_dist, logger
+from zeroshard.utils.tensor_fragment import (
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_get_local_fp32_param,
+    safe_get_local_grad,
+    safe_get_local_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_grad,
+    safe_set_full_optimizer_state,
+    safe_set_local_fp32_param,
+    safe_set_local_grad,
+    safe_set_local_optimizer_state,
+)
 
-__all__ = ["set_z3_leaf_modules"]
+__all__ = [
+    "log_dist",
+    "logger",
+    "safe_get_full_fp32_param",
+    "safe_get_full_grad",
+    "safe_get_full_optimizer_state",
+    "safe_get_local_fp32_param",
+    "safe_get_local_grad",
+    "safe_get_local_optimizer_state",
+    "safe_set_full_fp32_param",
+    "safe_set_full_grad",
+    "safe_set_full_optimizer_state",
+    "safe_set_local_fp32_param",
+    "safe_set_local_grad",
+    "safe_set_local_optimizer_state",
+    "set_z3_leaf_modules",
+]

@@ -1,0 +1,276 @@
+"""DeepSpeed's engine methods that act on training state: ``no_sync``, batch-size changes,
+``was_step_applied``, optimizer queries, module state dicts, ``deepspeed_io``, ``destroy``.
+
+The engine (:class:`zeroshard.engine.ZeroEngine`) inherits them; ``forward``/``backward``/``step``
+stay in ``engine.py`` and consult :attr:`TrainingAPI.inside_no_sync_ctxt` and
+:meth:`TrainingAPI._check_unused_parameters`.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zeroshard.comm import collectives as C
+from zeroshard.config.schema import ZeroshardConfig
+from zeroshard.errors import ConfigError, NotYetSupportedError
+
+logger = logging.getLogger("zeroshard")
+
+
+class TrainingAPI:
+    """Training-state methods with DeepSpeed's names and semantics."""
+
+    config: ZeroshardConfig
+    optimizer: Any
+    module: torch.nn.Module
+    group: dist.ProcessGroup | None
+    world_size: int
+    global_rank: int
+    local_rank: int
+    micro_steps: int
+    global_steps: int
+    timers: Any
+    training_dataloader: Any
+
+    #: True inside :meth:`no_sync` (DeepSpeed's attribute name)
+    inside_no_sync_ctxt: bool = False
+    #: whether the latest ``step()`` updated the parameters (:meth:`was_step_applied`)
+    _step_applied: bool = False
+
+    # -- no_sync --------------------------------------------------------------------------------
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside the block accumulate gradients locally without reducing them.
+
+        DeepSpeed's rule: not with ZeRO stage 2 or 3 (they reduce and partition gradients in every
+        backward), no re-entry, and no ``step()`` inside. The next backward outside the block at an
+        accumulation boundary reduces everything accumulated.
+        """
+        stage = int(self.config.zero_stage)
+        if stage >= 2:
+            raise ConfigError(f"no_sync() is incompatible with ZeRO stage {stage}: stages 2 and 3 reduce and "
+                              "partition gradients in every backward (as in DeepSpeed); use stage 0 or 1, or "
+                              "gradient_accumulation_steps", key="zero_optimization.stage")
+        if self.inside_no_sync_ctxt:
+            raise RuntimeError("no_sync() context manager re-entry is unsupported")
+        self.inside_no_sync_ctxt = True
+        try:
+            yield
+        finally:
+            self.inside_no_sync_ctxt = False
+
+    # -- batch size -------------------------------------------------------------------------------
+    def _require_window_start(self, what: str) -> None:
+        ga = int(self.config.gradient_accumulation_steps or 1)
+        if self.micro_steps % ga:
+            raise RuntimeError(f"{what} in the middle of an accumulation window (micro-step {self.micro_steps % ga} "
+                               f"of {ga}): call it right after engine.step() at a boundary")
+
+    def _restart_window_count(self) -> None:
+        """Re-derive the micro-step counter for the new accumulation steps (as a checkpoint load does),
+        so that the next window is a whole one of the new length."""
+        self.micro_steps = self.global_steps * int(self.config.gradient_accumulation_steps or 1)
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """Change the global batch size by changing the accumulation steps (micro batch kept).
+
+        Raises:
+            ValueError: ``train_batch_size`` is not a multiple of micro batch × world size.
+            RuntimeError: called in the middle of an accumulation window.
+        """
+        micro = int(self.config.train_micro_batch_size_per_gpu or 1)
+        if train_batch_size % (micro * self.world_size) != 0:
+            raise ValueError("Train batch size must be divisible by micro-batch data parallelism "
+                             f"({micro} x {self.world_size} ranks); got {train_batch_size}")
+        self._require_window_start("set_train_batch_size()")
+        self.config.train_batch_size = train_batch_size
+        self.config.gradient_accumulation_steps = train_batch_size // (micro * self.world_size)
+        self._restart_window_count()
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """Change the micro batch; the global batch follows (accumulation steps kept). The data loader
+        is not rebuilt (as in DeepSpeed): give it batches of the new size."""
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be positive, got {micro_batch_size}")
+        self._require_window_start("set_train_micro_batch_size()")
+        ga = int(self.config.gradient_accumulation_steps or 1)
+        self.config.train_batch_size = micro_batch_size * ga * self.world_size
+        self.config.train_micro_batch_size_per_gpu = micro_batch_size
+
+    def was_step_applied(self) -> bool:
+        """Whether the latest ``step()`` updated the parameters (False between boundaries and after a
+        skipped overflow step)."""
+        return bool(self._step_applied)
+
+    # -- optimizer queries ---------------------------------------------------------------------------
+    def _get_optimizer_param(self, name: str) -> list[Any]:
+        return [g.get(name, 0.0) for g in self.optimizer.param_groups]
+
+    def get_type(self) -> list[Any]:
+        """Each param group's ``type`` entry (0.0 where absent), as DeepSpeed."""
+        return self._get_optimizer_param("type")
+
+    def get_mom(self) -> list[Any]:
+        """Each param group's ``momentum`` (SGD, RMSprop) or ``betas`` (others)."""
+        name = "momentum" if self.optimizer_name() in ("SGD", "RMSprop") else "betas"
+        return self._get_optimizer_param(name)
+
+    def optimizer_name(self) -> str | None:
+        """The client optimizer's class name, or the config's ``optimizer.type``."""
+        if self.config.optimizer is not None:
+            return self.config.optimizer.type
+        inner = getattr(self.optimizer, "optimizer", None)
+        return type(inner).__name__ if inner is not None else None
+
+    @property
+    def cur_scale(self) -> float:
+        """The loss scale in use now (1.0 unless fp16); DeepSpeed's optimizer attribute name."""
+        return float(self.optimizer.scaler.scale)
+
+    # -- ranks ---------------------------------------------------------------------------------------
+    @property
+    def dp_world_size(self) -> int:
+        """Data-parallel ranks (all ranks: no model parallelism)."""
+        return self.world_size
+
+    @property
+    def mp_world_size(self) -> int:
+        """Model-parallel ranks: 1."""
+        return 1
+
+    def get_data_parallel_rank(self) -> int:
+        """This rank in the data-parallel group."""
+        return C.rank(self.group)
+
+    def get_tensor_parallel_rank(self) -> int:
+        """0: no tensor parallelism."""
+        return 0
+
+    def get_model_parallel_rank(self) -> int:
+        """0: no model parallelism."""
+        return 0
+
+    def all_gather_scalar(self, value: torch.Tensor, dp_group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+        """Every rank's ``value``, in rank order (collective)."""
+        out = [torch.zeros_like(value) for _ in range(C.world_size(dp_group))]
+        if len(out) == 1:
+            out[0].copy_(value)
+        else:
+            dist.all_gather(out, value, group=dp_group)
+        return out
+
+    # -- module state ----------------------------------------------------------------------------------
+    def module_state_dict(self, destination: dict[str, Any] | None = None, prefix: str = "",
+                          keep_vars: bool = False, exclude_frozen_parameters: bool = False) -> dict[str, Any]:
+        """The module's state dict (full tensors; under ZeRO-3 a collective gather, unit by unit)."""
+        sd: dict[str, Any] = self.module.state_dict(destination=destination, prefix=prefix,  # type: ignore[type-var,arg-type]
+                                                    keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            for name, p in self.module.named_parameters():
+                if not p.requires_grad:
+                    sd.pop(prefix + name, None)
+        return sd
+
+    def load_module_state_dict(self, checkpoint: dict[str, Any], strict: bool = True,
+                               custom_load_fn: Callable[..., Any] | None = None, fetch_z3_params: bool = False,
+                               z3_params_to_fetch: Any = None, allowed_missing_keys: Any = None) -> None:
+        """Load ``checkpoint["module"]`` into the module and the fp32 masters (collective: rank 0's
+        values are kept, as DeepSpeed's ``GatheredParameters(modifier_rank=0)``)."""
+        from zeroshard.zero import GatheredParameters
+
+        if allowed_missing_keys is not None:
+            raise NotYetSupportedError("load_module_state_dict(allowed_missing_keys=...) (AutoEP experts) is not "
+                                       "supported", key="allowed_missing_keys")
+        with GatheredParameters(list(self.module.parameters()), modifier_rank=0):
+            if custom_load_fn is not None:
+                custom_load_fn(src=checkpoint["module"], dst=self.module)
+            else:
+                self.module.load_state_dict(checkpoint["module"], strict=strict)
+
+    def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """DeepSpeed's older name of ``save_16bit_model``."""
+        return bool(self.save_16bit_model(save_dir, save_filename))  # type: ignore[attr-defined]
+
+    # -- data --------------------------------------------------------------------------------------------
+    def deepspeed_io(self, dataset: Any, batch_size: int | None = None, route: str = "train",
+                     pin_memory: bool = True, data_sampler: Any = None, collate_fn: Callable[..., Any] | None = None,
+                     num_local_io_workers: int | None = None) -> torch.utils.data.DataLoader:  # type: ignore[type-arg]
+        """A data loader over this rank's part of ``dataset`` (micro batch by default); training data is
+        shuffled, ``route="eval"``/``"predict"`` is not."""
+        if not (self.is_map_style_dataset(dataset) or self.is_iterable_style_dataset(dataset)):
+            raise ValueError("Training data must be a torch Dataset")
+        if data_sampler is None and not self.is_iterable_style_dataset(dataset):
+            data_sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=self.world_size,
+                                                               rank=C.rank(self.group), shuffle=route == "train")
+        return torch.utils.data.DataLoader(
+            dataset, batch_size=batch_size or int(self.config.train_micro_batch_size_per_gpu or 1),
+            sampler=data_sampler, collate_fn=collate_fn, num_workers=num_local_io_workers or 0,
+            pin_memory=pin_memory and torch.cuda.is_available())
+
+    is_map_style_dataset: Callable[[Any], bool]
+    is_iterable_style_dataset: Callable[[Any], bool]
+
+    # -- resources ---------------------------------------------------------------------------------------
+    def get_wall_clock_timers(self) -> dict[str, float]:
+        """Seconds per timer since the last report (``wall_clock_breakdown``; empty when off)."""
+        return dict(getattr(self.timers, "totals", {}))
+
+    def collect_python_gc(self) -> int:
+        """Run Python's garbage collector; the number of unreachable objects found."""
+        return gc.collect()
+
+    def empty_partition_cache(self) -> None:
+        """ZeRO-3: release every gathered, non-persistent unit (other stages: nothing to release)."""
+        coordinator = getattr(self.optimizer, "coordinator", None)
+        if coordinator is not None:
+            coordinator.end_of_pass()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def destroy(self) -> None:
+        """Detach the engine from the module (gradient hooks, ZeRO-3 hooks), stop the communication
+        logger and close the monitors. The engine cannot train afterwards."""
+        sync = getattr(self.optimizer, "sync", None)
+        if sync is not None:
+            sync.remove_hooks()
+        coordinator = getattr(self.optimizer, "coordinator", None)
+        if coordinator is not None:
+            coordinator.remove_hooks()
+        comms = getattr(self, "comms_logger", None)
+        if comms is not None:
+            comms.uninstall()
+        monitor = getattr(self, "monitor", None)
+        if monitor is not None:
+            monitor.close()
+
+    # -- config keys acting at the step ----------------------------------------------------------------
+    def _check_unused_parameters(self) -> None:
+        """``ignore_unused_parameters: false``: at the step boundary, a trainable parameter that got no
+        gradient on any rank in the window is an error naming it (every rank raises: the set is
+        all-reduced)."""
+        if self.config.zero_optimization.ignore_unused_parameters:
+            return
+        unused = set(self.optimizer.sync.unused_params())
+        if not unused:
+            return
+        names = [n for n, p in self.module.named_parameters() if p in unused]
+        shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+        raise ConfigError(f"{len(names)} trainable parameter(s) got no gradient on any rank in this accumulation "
+                          f"window: {shown}. Use them in the forward, freeze them (requires_grad=False), or set "
+                          "ignore_unused_parameters to true", key="zero_optimization.ignore_unused_parameters")
+
+    def _log_memory(self, where: str) -> None:
+        """``memory_breakdown: true``: log this rank's bytes at points of the step (rank 0)."""
+        if not self.config.memory_breakdown or self.global_rank != 0:
+            return
+        usage = self.memory_usage()  # type: ignore[attr-defined]
+        logger.info("zeroshard: memory %s: %s", where,
+                    " ".join(f"{k}={v / 2**20:.1f}MiB" for k, v in usage.items()))
