@@ -72,8 +72,6 @@ CONSUMERS: dict[str, str] = {
     "checkpoint.auto_resume": "initialize.py",
     "activation_checkpointing.partition_activations": "activations/settings.py",
     "activation_checkpointing.cpu_checkpointing": "activations/settings.py",
-    "activation_checkpointing.contiguous_memory_optimization": "activations/settings.py",
-    "activation_checkpointing.number_checkpoints": "activations/settings.py",
     "activation_checkpointing.synchronize_checkpoint_boundary": "activations/settings.py",
     "activation_checkpointing.profile": "activations/settings.py",
     "tensorboard.enabled": "monitor/master.py",
@@ -129,6 +127,9 @@ NO_EFFECT: dict[str, str] = {
                                                         "ratio")},
     **{_Z + f"offload_param.{k}": _OFFLOAD for k in ("nvme_path", "pin_memory", "buffer_count", "buffer_size",
                                                     "max_in_cpu")},
+    "activation_checkpointing.contiguous_memory_optimization": ("torch's caching allocator reuses the freed "
+                                                                "blocks: there is no contiguous buffer to keep"),
+    "activation_checkpointing.number_checkpoints": "only sizes DeepSpeed's contiguous buffer (see the key above)",
     "zero_allow_untested_optimizer": "any torch optimizer steps on the shard; none is refused",
     "zero_force_ds_cpu_optimizer": "only used with optimizer offload, which zeroshard does not do yet",
     "checkpoint.load_universal": ("zeroshard checkpoints reload at any world size and stage without conversion; "
