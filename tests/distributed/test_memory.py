@@ -38,7 +38,7 @@ def memory_worker(rank: int, world: int) -> dict[str, dict[str, int]]:
             loss = engine(torch.randn(2, 301)).float().pow(2).mean()
             engine.backward(loss)
             engine.step()
-            out[f"{stage}/{accum}"] = engine.memory_breakdown()
+            out[f"{stage}/{accum}"] = engine.memory_usage()
         # fp32 training: the module's parameters are the master weights.
         model = _model()
         cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
@@ -46,7 +46,7 @@ def memory_worker(rank: int, world: int) -> dict[str, dict[str, int]]:
         engine, _, _, _ = zeroshard.initialize(model=model, config=cfg)
         engine.backward(engine(torch.randn(2, 301)).pow(2).mean())
         engine.step()
-        out[f"{stage}/fp32-training"] = engine.memory_breakdown()
+        out[f"{stage}/fp32-training"] = engine.memory_usage()
     return out
 
 

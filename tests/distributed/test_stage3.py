@@ -121,7 +121,7 @@ def features_worker(rank: int, world: int) -> dict:
         engine, params = train(rank, world, zero, init=(name == "tight"), leaf=(name == "leaf"))
         c = engine.optimizer.coordinator
         out[name] = {"params": params, "prefetches": c.prefetch_count, "gathers": c.gather_count,
-                     "peak": engine.memory_breakdown()["gathered_peak"], "units": len(c.units)}
+                     "peak": engine.memory_usage()["gathered_peak"], "units": len(c.units)}
         if name == "leaf":
             engine, _ = train(rank, world, VARIANTS["no_prefetch"], init=False)  # later checks use this one
     # Generation: a loop of small forwards inside engine.gathered() gathers nothing more.
@@ -225,7 +225,7 @@ def budget_worker(rank: int, world: int, budget: int) -> dict:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    mem = engine.memory_breakdown()
+    mem = engine.memory_usage()
     return {"init_peak": init.peak_bytes, "mem": mem, "losses": torch.tensor(losses)}
 
 

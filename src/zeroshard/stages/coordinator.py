@@ -16,7 +16,8 @@ stays gathered across forward and backward (no re-gather), parameters used outsi
 (a tied head in the loss) remain readable, and a large model is bounded by the budget.
 
 Gathered parameters at any moment are therefore bounded by ``stage3_max_live_parameters`` plus
-the units in use plus ``stage3_prefetch_bucket_size``, never by the model size.
+the units in use, never by the model size: prefetching (up to ``stage3_prefetch_bucket_size``
+elements ahead) only fills what the live budget leaves free, as in DeepSpeed.
 
 Prefetch: every request is appended to a trace. The first pass records it; later passes follow it
 and launch the all-gathers of the next units (up to ``stage3_prefetch_bucket_size`` elements ahead)
@@ -41,8 +42,12 @@ from torch.utils import _pytree as pytree
 
 from zeroshard.comm import agreement
 from zeroshard.comm.subset import arrive
+from zeroshard.stages import host_memory
 from zeroshard.stages.param_unit import ParamUnit, UnitState
 from zeroshard.stages.units import is_leaf, unit_modules
+
+#: Bytes of released units after which freed host memory is returned to the system (CPU only).
+TRIM_BYTES = 32 * 2**20
 
 
 class _CallInBackward(torch.autograd.Function):
@@ -104,6 +109,10 @@ class ParamCoordinator:
         self._in_backward = False
         self.peak_gathered_numel = 0
         self._handles: list[Any] = []
+        # Released units leave holes in the heap between activations (CPU): with the opt-in
+        # ZEROSHARD_MALLOC_TRIM=1, give them back every TRIM_BYTES released (see host_memory).
+        self._trim = host_memory.TrimEvery(TRIM_BYTES if units and units[0].shard.device.type == "cpu" else 2**62,
+                                           training=True)
         self.gather_count = 0
         self.prefetch_count = 0
         self.last_used: ParamUnit | None = None
@@ -294,7 +303,12 @@ class ParamCoordinator:
     def _prefetch(self) -> None:
         if not self.trace_valid or self.prefetch_numel <= 0:
             return
-        budget = self.prefetch_numel
+        # As in DeepSpeed, prefetching stays within the live budget: what is gathered ahead counts
+        # against ``stage3_max_live_parameters`` too (else the default 5e7-element prefetch gathers
+        # a small model whole in its first module, whatever the live budget says). Units in use
+        # are outside the budget, as in :meth:`_evict`.
+        in_use = sum(u.numel for u in self.pinned)
+        budget = min(self.prefetch_numel, self.max_live_numel - (self._gathered_numel() - in_use))
         for i in range(self.cursor, len(self.trace)):
             u = self.trace[i]
             if u.numel > budget:
@@ -330,22 +344,26 @@ class ParamCoordinator:
         return u.state is UnitState.GATHERING and self.trace_valid and self._ahead.get(u, -1) >= self.cursor
 
     # -- releasing ---------------------------------------------------------------------------
-    def release(self, u: ParamUnit) -> None:
-        """Release one unit (persistent units stay gathered)."""
+    def release(self, u: ParamUnit, free_storage: bool = True) -> None:
+        """Release one unit (persistent units stay gathered); see :meth:`ParamUnit.release`."""
         self.pinned.pop(u, None)
         self.live.pop(u, None)
         self._ahead.pop(u, None)
         if not u.persistent:
-            u.release()
+            was_gathered = u.state is not UnitState.SHARDED
+            u.release(free_storage)
+            if was_gathered and free_storage:
+                self._trim.freed(u.numel * u.shard.element_size())
 
     def unpin(self, units: Iterable[ParamUnit]) -> None:
-        """End an explicit gather: unpinned units are released (persistent ones stay)."""
+        """End an explicit gather: unpinned units are released (persistent ones stay). Their
+        tensors may still be held by the caller (a state dict): only the references go."""
         for u in units:
             if u in self.pinned:
                 self.pinned[u] -= 1
                 if self.pinned[u] > 0:
                     continue
-            self.release(u)
+            self.release(u, free_storage=False)
 
     def unit_grads_done(self, u: ParamUnit) -> None:
         """Backward produced all of ``u``'s gradients: its parameters are not needed again this pass."""

@@ -79,6 +79,10 @@ class GradSync:
         self.boundary = True
         #: whether a boundary backward reduced the gradients of this window
         self.reduced = False
+        #: ``(pre, post)``: gradients are multiplied by ``pre`` before the reduction and by ``post``
+        #: after it (DeepSpeed's ``prescale_gradients`` / ``gradient_predivide_factor``, set by
+        #: ``initialize``); ``None``: the stage's own placement of the 1/world average
+        self.scaling: tuple[float, float] | None = None
         for p in self._where:
             self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
@@ -168,6 +172,12 @@ class GradSync:
             h.remove()
         self._handles.clear()
 
+    def _pre(self, default: float) -> float:
+        return default if self.scaling is None else self.scaling[0]
+
+    def _post(self, default: float) -> float:
+        return default if self.scaling is None else self.scaling[1]
+
     # -- strategy ----------------------------------------------------------------------------
     def _launches_now(self) -> bool:
         """Whether collectives are issued in this micro-step."""
@@ -225,7 +235,7 @@ class _FullAccumulatorSync(GradSync):
     def _write(self, bucket: Bucket, i: int, grad: torch.Tensor, first_in_window: bool) -> None:
         off, k = bucket.offsets[i], bucket.layouts[i].shard_numel
         scatter_into_rows(self._rows(bucket)[:, off : off + k], grad, accumulate=not first_in_window,
-                          alpha=1.0 / self.world)
+                          alpha=self._pre(1.0 / self.world))
 
     def _wire(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's accumulator region, complete, in the reduction dtype."""
@@ -258,6 +268,8 @@ class AllReduceSync(_FullAccumulatorSync):
                 work.wait()
             if wire is not region:
                 region.copy_(wire)
+            if self._post(1.0) != 1.0:
+                region.mul_(self._post(1.0))
 
         return finalize
 
@@ -274,6 +286,8 @@ class BoundaryReduceScatterSync(_FullAccumulatorSync):
             row = pending.wait()
             if row.data_ptr() != own.data_ptr() or row.dtype != own.dtype:
                 own.copy_(row)
+            if self._post(1.0) != 1.0:
+                own.mul_(self._post(1.0))
 
         return finalize
 
@@ -315,7 +329,7 @@ class MicroStepReduceScatterSync(GradSync):
     def _write(self, bucket: Bucket, i: int, grad: torch.Tensor, first_in_window: bool) -> None:
         rows = self._buffer(bucket).view(self.layout_world, bucket.numel)
         off, k = bucket.offsets[i], bucket.layouts[i].shard_numel
-        scatter_into_rows(rows[:, off : off + k], grad)
+        scatter_into_rows(rows[:, off : off + k], grad, alpha=self._pre(1.0))
 
     def _launch(self, bucket: Bucket) -> Callable[[], None]:
         full = self._buffer(bucket)
@@ -327,9 +341,9 @@ class MicroStepReduceScatterSync(GradSync):
             row = pending.wait()
             if bucket.index in self._fresh:
                 self._fresh.discard(bucket.index)
-                torch.mul(row, 1.0 / self.world, out=acc)
+                torch.mul(row, self._post(1.0 / self.world), out=acc)
             else:
-                acc.add_(row, alpha=1.0 / self.world)
+                acc.add_(row, alpha=self._post(1.0 / self.world))
             self._free.append(self._buffers.pop(bucket.index))
 
         return finalize

@@ -39,8 +39,10 @@ class MasterShard:
         self.ranges: dict[torch.nn.Parameter, tuple[int, int]] = {}
         #: ``(master, bucket index, column in the bucket's row, real elements)``
         self.slices: list[tuple[torch.nn.Parameter, int, int, int]] = []
-        #: per all-gather slot: ``(send, out)`` buffers kept between steps
+        #: per all-gather slot: ``(send, out)`` buffers, alive during :meth:`all_gather_to_params` only
         self._gather_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        #: bytes those buffers took in the last update (what ``comm_workspace`` reports)
+        self._gather_bytes = 0
         self._gather_groups: tuple[int, list[tuple[list[Bucket], int, int]]] | None = None
         for b in buckets:
             for p, layout, off in zip(b.params, b.layouts, b.offsets):
@@ -83,16 +85,17 @@ class MasterShard:
             p.data.copy_(master.detach().view_as(p))
 
     def workspace_bytes(self) -> int:
-        """Bytes of the all-gather buffers kept between steps."""
-        return sum(t.numel() * t.element_size() for pair in self._gather_buffers for t in pair)
+        """Bytes of the all-gather buffers during the last parameter update (they are freed after
+        it: used once per step, kept they would hold up to 1.5x the model between steps)."""
+        return self._gather_bytes
 
     def all_gather_to_params(self, group: dist.ProcessGroup | None, bucket_numel: int,
                              dtype: torch.dtype) -> None:
         """Stages 1–2: gather every rank's updated shard into the full module parameters.
 
         Consecutive buckets are gathered together up to ``bucket_numel`` full elements, through
-        two buffer pairs kept between steps: the next gather is in flight while the previous
-        one is copied out.
+        two buffer pairs: the next gather is in flight while the previous one is copied out.
+        The pairs are freed when the update is done.
         """
         world = C.world_size(group)
         inflight: list[tuple[list[Bucket], int, torch.Tensor, dist.Work | None]] = []
@@ -105,6 +108,8 @@ class MasterShard:
                 self._scatter_gathered(*inflight.pop(0), world)
         while inflight:
             self._scatter_gathered(*inflight.pop(0), world)
+        self._gather_bytes = sum(t.numel() * t.element_size() for pair in self._gather_buffers for t in pair)
+        self._gather_buffers = []
 
     def _groups(self, bucket_numel: int) -> list[tuple[list[Bucket], int, int]]:
         """Consecutive buckets gathered by one collective, with their row range ``[a, b)``."""

@@ -8,6 +8,14 @@ compute-dtype shard lives in a slice of the flat parameter-shard buffer. Its sta
 - ``GATHERING``: an all-gather into a transient buffer is in flight (a prefetch).
 - ``GATHERED``: every parameter's ``.data`` is a full, contiguous tensor of its own. Changes made
   to it are *not* written back (see ``GatheredParameters(modifier_rank=...)`` for that).
+
+Releasing for training frees the full tensors' *storage* in place (``resize_(0)``, as FSDP2 does)
+and keeps the tensors: autograd saves views of the weights for backward (``weight.t()`` of a
+linear layer), which would otherwise keep every released unit's memory alive until its backward,
+so that releasing after forward saved nothing. The next gather refills the same storage, so
+those saved views read the gathered values again in backward. Releasing an explicit gather
+(``state_dict()``, ``GatheredParameters``) only drops the references: the caller may keep the
+tensors it was given.
 """
 
 from __future__ import annotations
@@ -45,6 +53,9 @@ class ParamUnit:
         self.state = UnitState.SHARDED
         self.shapes = [full_shape(p) for p in bucket.params]
         self._pending: tuple[torch.Tensor, dist.Work | None] | None = None
+        #: the full tensors of the last gather whose storage was freed in place: refilled (same
+        #: storage) by the next gather, for the views autograd saved of them
+        self._freed: list[torch.Tensor] | None = None
         #: called before each all-gather to check that every rank gathers this unit (see
         #: :class:`zeroshard.comm.agreement.GatherGuard`); ``None`` when verification is off
         self.verify: Callable[[ParamUnit], None] | None = None
@@ -82,19 +93,32 @@ class ParamUnit:
         if work is not None:
             work.wait()
         rows = out.view(self.world, self.bucket.numel)
-        for p, shape, layout, off in zip(self.params, self.shapes, self.bucket.layouts, self.bucket.offsets):
-            full = torch.empty(shape, dtype=self.shard.dtype, device=self.shard.device)
+        freed, self._freed = self._freed, None
+        for i, (p, shape, layout, off) in enumerate(zip(self.params, self.shapes, self.bucket.layouts,
+                                                        self.bucket.offsets)):
+            if freed is not None:
+                full = freed[i]
+                full.untyped_storage().resize_(full.numel() * full.element_size())
+            else:
+                full = torch.empty(shape, dtype=self.shard.dtype, device=self.shard.device)
             gather_from_rows(rows[:, off : off + layout.shard_numel], full.view(-1))
             p.data = full
         self.state = UnitState.GATHERED
 
-    def release(self) -> None:
-        """Drop the gathered tensors; the shard remains the only copy."""
+    def release(self, free_storage: bool = True) -> None:
+        """Drop the gathered tensors; the shard remains the only copy. With ``free_storage`` their
+        storage is freed in place (views autograd saved of them included) and refilled by the
+        next gather; without, only the references are dropped."""
         if self.state is UnitState.GATHERING:
             self.wait_gather()
         if self.state is UnitState.GATHERED:
+            full = [p.data for p in self.params]
             for p in self.params:
                 p.data = torch.empty(0, dtype=self.shard.dtype, device=self.shard.device)
+            if free_storage:
+                for t in full:
+                    t.untyped_storage().resize_(0)
+                self._freed = full
             self.state = UnitState.SHARDED
 
     def write_back(self, rank: int, master_views: list[torch.Tensor] | None) -> None:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from zeroshard.partition import INIT_CHUNK_ATTR, SHAPE_ATTR, Bucket, buckets_from_groups, merge_buckets
 from zeroshard.precision import LossScaler, PrecisionPolicy
+from zeroshard.stages import host_memory
 from zeroshard.stages.coordinator import ParamCoordinator
 from zeroshard.stages.grad_sync import MicroStepReduceScatterSync
 from zeroshard.stages.param_unit import ParamUnit, UnitState
@@ -59,7 +60,7 @@ class Stage3Optimizer(ZeroOptimizer):
                 if hasattr(p, INIT_CHUNK_ATTR):
                     delattr(p, INIT_CHUNK_ATTR)  # adopted into the shard buffers
             u.state = UnitState.GATHERED  # the module may still hold full values: release them now
-            u.release()
+            u.release(free_storage=False)  # the caller's tensors: dropped, not freed under them
         self.coordinator = ParamCoordinator(module, self.units, spec.max_live_parameters,
                                             spec.prefetch_bucket_size)
         self.coordinator.gather_persistent()
@@ -104,8 +105,9 @@ class Stage3Optimizer(ZeroOptimizer):
 
     def finish_backward(self) -> None:
         """Complete the gradient collectives, then release every non-persistent unit."""
-        super().finish_backward()
+        self.sync.finish_backward()
         self.coordinator.end_of_pass()
+        host_memory.trim(self.device, training=True)
 
     def publish(self) -> None:
         """Refresh the 16-bit shard from the masters and drop stale gathered copies."""
@@ -115,7 +117,8 @@ class Stage3Optimizer(ZeroOptimizer):
             # Anything still gathered (eval forwards, persistent units) is stale now.
             for u in self.units:
                 self.coordinator.live.pop(u, None)
-                u.release()
+                # Persistent units are visible between steps: user code may hold their tensors.
+                u.release(free_storage=not u.persistent)
             self.coordinator.gather_persistent()
 
     def write_back(self, p: torch.nn.Parameter) -> None:

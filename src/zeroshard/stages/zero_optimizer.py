@@ -33,6 +33,7 @@ import torch.distributed as dist
 from zeroshard.comm import collectives as C
 from zeroshard.partition import Bucket, make_buckets
 from zeroshard.precision import LossScaler, PrecisionPolicy
+from zeroshard.stages import host_memory
 from zeroshard.stages.grad_sync import (
     AllReduceSync,
     BoundaryReduceScatterSync,
@@ -81,6 +82,7 @@ class ZeroOptimizer:
         self.policy = policy
         self.scaler = scaler
         self.group = group
+        self.device = device
         self.rank = C.rank(group)
         self.world = C.world_size(group)
         self.sharded = spec.stage >= 1 and self.world > 1
@@ -161,8 +163,11 @@ class ZeroOptimizer:
         self.sync.start_backward(boundary)
 
     def finish_backward(self) -> None:
-        """After ``loss.backward()``: complete this micro-step's gradient communication."""
+        """After ``loss.backward()``: complete this micro-step's gradient communication (and, with
+        ``ZEROSHARD_MALLOC_TRIM=1`` on CPU, give the heap the backward freed back to the system:
+        :mod:`~zeroshard.stages.host_memory`)."""
         self.sync.finish_backward()
+        host_memory.trim(self.device, training=True)
 
     def step(self) -> bool:
         """Unscale, check overflow, clip and step. Returns whether the update was applied."""
@@ -189,6 +194,7 @@ class ZeroOptimizer:
         self.master.detach_grads()
         self.sync.zero()
         self.publish()
+        host_memory.trim(self.device, training=True)
         return True
 
     def _first_nonfinite(self, g32: list[torch.Tensor]) -> torch.nn.Parameter | None:

@@ -84,7 +84,7 @@ class Init:
             return
         self._handle.remove()
         assert self._session is not None
-        self._session.flush()
+        self._session.close()
         converted: dict[int, torch.nn.Parameter] = {}
         for module, name in self._created:
             lazy = module._parameters.get(name)

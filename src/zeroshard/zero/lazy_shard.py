@@ -10,6 +10,22 @@ code of a module, and of a parent that re-initialises its children afterwards (H
 
 On collapse the full values are broadcast from rank 0 first, so every rank keeps a chunk of the
 same tensor even if ranks were seeded differently (DeepSpeed does the same).
+
+Memory (each rank should grow by its chunks plus one parameter in flight; issue #9 measured
+1.5-2.6x the whole model before these):
+
+- A parameter is partitioned as soon as it is registered, so the constructor's full tensor is
+  freed before the next parameter's is allocated; the collapse before a materialization happens
+  before the new full tensor is allocated. At most one full parameter exists at a time, except
+  for the parameters of one operation that reads several (``p.copy_(q)``).
+- An operation that overwrites every element (``normal_``, ``uniform_``, ``zero_``, ``fill_``,
+  ``copy_``: what initialisers do) gets an uninitialised full tensor instead of a gather (no
+  collective, no receive buffer), and the gathered buffer is viewed as the parameter, not copied.
+- Chunks are carved out of large slabs (:class:`ChunkArena`), not allocated one by one: small
+  long-lived chunks between the transient full tensors fragment glibc's heap. Slabs are above
+  glibc's largest mmap threshold, so each is a mapping of its own, unmapped when freed.
+- Freed full tensors still leave free pages in the heap (glibc keeps them); they are returned to
+  the system every :data:`TRIM_BYTES` freed (:mod:`zeroshard.stages.host_memory`).
 """
 
 from __future__ import annotations
@@ -22,8 +38,56 @@ from torch.utils import _pytree as pytree
 
 from zeroshard.comm import collectives as C
 from zeroshard.partition import ShardLayout
+from zeroshard.stages import host_memory
 
 aten = torch.ops.aten
+
+#: Bytes per chunk slab: above glibc's largest dynamic mmap threshold (32 MiB on 64-bit), so a
+#: slab is always its own mapping. Pages of a slab that no chunk uses are never touched, hence
+#: never resident.
+SLAB_BYTES = 64 * 2**20
+#: Bytes of full parameters freed after which ``zero.Init`` returns free heap pages (CPU).
+TRIM_BYTES = 8 * 2**20
+#: Chunk offsets inside a slab are multiples of this many bytes (vector loads stay aligned).
+_ALIGN = 64
+
+#: In-place operations whose result does not depend on the previous values of their first
+#: argument: a parameter they write needs no gather first.
+_OVERWRITES = {
+    aten.normal_.default, aten.uniform_.default, aten.zero_.default, aten.fill_.Scalar,
+    aten.fill_.Tensor, aten.copy_.default, aten.bernoulli_.float, aten.exponential_.default,
+    aten.geometric_.default, aten.log_normal_.default, aten.cauchy_.default, aten.random_.default,
+    aten.random_.to, getattr(aten.random_, "from"),
+}
+
+
+class ChunkArena:
+    """Bump allocator of chunks inside large slabs, one open slab per (dtype, device).
+
+    A chunk is a view of its slab; the slab is freed when the last view is gone (after the
+    engine copies the chunks into its own buffers).
+    """
+
+    def __init__(self) -> None:
+        self._open: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, int]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An uninitialised 1-D tensor of ``numel`` elements carved from a slab."""
+        item = torch.empty((), dtype=dtype).element_size()
+        align = max(1, _ALIGN // item)
+        key = (dtype, device)
+        slab, used = self._open.get(key, (None, 0))
+        if slab is None or used + numel > slab.numel():
+            # A chunk larger than a slab gets a slab of its own (also a mapping of its own).
+            slab = torch.empty(max(SLAB_BYTES // item, numel), dtype=dtype, device=device)
+            used = 0
+        out = slab[used : used + numel]
+        self._open[key] = (slab, -(-(used + numel) // align) * align)
+        return out
+
+    def close(self) -> None:
+        """Forget the open slabs (their used parts stay alive through the chunks)."""
+        self._open.clear()
 
 
 class ShardCore:
@@ -35,21 +99,33 @@ class ShardCore:
         self.layout = ShardLayout(full.numel(), session.world)
         self.session = session
         self.chunk: torch.Tensor | None = None
+        #: this parameter's place in the chunk arena, kept while the values are full: a slab
+        #: frees nothing before all its chunks go, so a re-collapse writes back where it was
+        self._slot: torch.Tensor | None = None
         self.full: torch.Tensor | None = full
+        # Partitioned at once: the constructor's full tensor is freed before the next parameter's
+        # is allocated, so at most one full parameter exists at a time (initialisers that
+        # overwrite it later need no gather, see ``_OVERWRITES``).
         session.cache(self)
+        session.flush()
 
-    def materialize(self) -> torch.Tensor:
-        """Full values (gathered from every rank's chunk unless cached)."""
+    def materialize(self, overwrite: bool = False) -> torch.Tensor:
+        """Full values (gathered from every rank's chunk unless cached). With ``overwrite`` the
+        caller is about to write every element: the values are left uninitialised, no gather."""
         if self.full is None:
             assert self.chunk is not None
+            self.session.make_room(self)  # collapse the cached parameter before allocating this one
             k = self.layout.shard_numel
-            padded = torch.zeros(k, dtype=self.dtype, device=self.chunk.device)
-            padded[: self.chunk.numel()] = self.chunk
+            # One buffer of world * k elements, viewed as the full tensor (the padding past
+            # ``numel`` is never read): no second full-size copy.
             out = torch.empty(k * self.session.world, dtype=self.dtype, device=self.chunk.device)
-            C.all_gather(out, padded, self.session.group, async_op=False)
-            self.full = out[: self.layout.numel].view(self.shape).clone()
+            if not overwrite:
+                padded = torch.zeros(k, dtype=self.dtype, device=self.chunk.device)
+                padded[: self.chunk.numel()] = self.chunk
+                C.all_gather(out, padded, self.session.group, async_op=False)
+            self.full = out[: self.layout.numel].view(self.shape)
             self.session.chunk_bytes -= self.chunk.numel() * self.chunk.element_size()
-            self.chunk = None
+            self._slot, self.chunk = self.chunk, None
         self.session.cache(self)
         return self.full
 
@@ -60,34 +136,62 @@ class ShardCore:
         full = self.full.contiguous()
         C.broadcast(full, src=0, group=self.session.group)
         s, e = self.layout.local_range(self.session.rank)
-        self.chunk = full.view(-1)[s:e].clone()
+        slot = self._slot if self._slot is not None else self.session.arena.take(e - s, full.dtype, full.device)
+        self.chunk, self._slot = slot.copy_(full.view(-1)[s:e]), None
         self.full = None
+        del full
         self.session.chunk_bytes += self.chunk.numel() * self.chunk.element_size()
+        if self.chunk.device.type == "cpu":
+            self.session.trim.freed(self.layout.numel * self.chunk.element_size())
 
 
 class InitSession:
-    """State of one ``zero.Init`` context: the group and the one cached full parameter."""
+    """State of one ``zero.Init`` context: the group and the full parameters cached now (the one
+    last used, or every parameter of the operation running now)."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
         self.world = C.world_size(group)
         self.rank = C.rank(group)
-        self.cached: ShardCore | None = None
+        self.cached: list[ShardCore] = []
+        #: cores read or written by the operation running now: none of them may collapse before
+        #: it has run (``p.copy_(q)`` with both lazy needs both full at once)
+        self.in_use: list[ShardCore] = []
+        self.arena = ChunkArena()
+        # The full tensors freed between chunks fragment glibc's heap: return the free pages
+        # every few MiB, or the process grows by more than the model (see host_memory).
+        self.trim = host_memory.TrimEvery(TRIM_BYTES)
         self.chunk_bytes = 0
-        #: most bytes of parameter values held at once (chunks + the one full parameter)
+        #: most bytes of parameter values held at once (chunks + the full parameters cached)
         self.peak_bytes = 0
 
+    def make_room(self, core: ShardCore) -> None:
+        """Collapse every cached parameter except ``core`` and those the running operation uses."""
+        keep = [c for c in self.cached if c is core or any(c is u for u in self.in_use)]
+        for c in self.cached:
+            if not any(c is k for k in keep):
+                c.collapse()
+        self.cached = keep
+
     def cache(self, core: ShardCore) -> None:
-        if self.cached is not None and self.cached is not core:
-            self.cached.collapse()
-        self.cached = core
-        full = core.full.numel() * core.full.element_size() if core.full is not None else 0
+        """``core`` holds full values now: it stays so until another parameter is needed."""
+        self.make_room(core)
+        if not any(c is core for c in self.cached):
+            self.cached.append(core)
+        full = sum(c.full.numel() * c.full.element_size() for c in self.cached if c.full is not None)
         self.peak_bytes = max(self.peak_bytes, self.chunk_bytes + full)
 
     def flush(self) -> None:
-        if self.cached is not None:
-            self.cached.collapse()
-            self.cached = None
+        """Collapse every cached parameter."""
+        for c in self.cached:
+            c.collapse()
+        self.cached = []
+
+    def close(self) -> None:
+        """End of the ``zero.Init`` block: collapse, close the arena, return free heap pages."""
+        self.flush()
+        self.arena.close()
+        host_memory.trim()
 
 
 class LazyShardTensor(torch.Tensor):
@@ -114,14 +218,24 @@ class LazyShardTensor(torch.Tensor):
         if func in (aten.detach.default, aten.alias.default):
             return LazyShardTensor(args[0].core)
         cores: dict[int, ShardCore] = {}
+        lazy = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, LazyShardTensor)]
+        target = args[0].core if func in _OVERWRITES and args and isinstance(args[0], LazyShardTensor) else None
+        # ``p.copy_(p)`` reads what it writes: only a target read by nothing else skips the gather.
+        if target is not None and sum(x.core is target for x in lazy) > 1:
+            target = None
+        session = lazy[0].core.session
+        session.in_use = [x.core for x in lazy]
 
         def unwrap(x: Any) -> Any:
             if isinstance(x, LazyShardTensor):
-                full = x.core.materialize()
+                full = x.core.materialize(overwrite=x.core is target)
                 cores[id(full)] = x.core
                 return full
             return x
 
-        out = func(*pytree.tree_map(unwrap, args), **pytree.tree_map(unwrap, kwargs))
+        try:
+            out = func(*pytree.tree_map(unwrap, args), **pytree.tree_map(unwrap, kwargs))
+        finally:
+            session.in_use = []
         # An in-place op returns its (full) argument: hand back the lazy tensor instead.
         return pytree.tree_map(lambda o: LazyShardTensor(cores[id(o)]) if id(o) in cores else o, out)
