@@ -154,12 +154,13 @@ class GatherGuard:
         self.unit_names = unit_names
         self.step = step
 
-    def __call__(self, index: int, numel: int, phase: str) -> None:
+    def __call__(self, index: int, numel: int, phase: str, what: str) -> None:
         """Raise :class:`DistributedError` on every rank if the ranks are about to gather different
-        units, or are not all gathering (``phase``: one of "forward", "backward", "explicit gather")."""
+        units, or are not all gathering (``phase``: one of "forward", "backward", "explicit gather";
+        ``what``: the gather, as failures and timeouts name it — the check is part of it)."""
         step = self.step() if self.step is not None else None
         row = [GATHER, -1 if step is None else step, -1, -1, -1, index, numel, _PHASES.index(phase)]
-        rows = _exchange(row, self.group, "all-gather verifying the next ZeRO-3 unit gather")
+        rows = _exchange(row, self.group, what)
         if bool((rows == rows[0]).all()):
             return
         raise DistributedError(

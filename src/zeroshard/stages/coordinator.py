@@ -245,7 +245,7 @@ class ParamCoordinator:
             self._prefetch()
 
     def _verify(self, u: ParamUnit) -> None:
-        self._guard(self._unit_index[u], u.numel, "backward" if self._in_backward else "forward")
+        self._guard(self._unit_index[u], u.numel, "backward" if self._in_backward else "forward", u.gather_what)
 
     def start_pass(self) -> None:
         """Before the engine's forward: a recording left by forwards without backward is dropped."""
