@@ -4,8 +4,10 @@ Under ZeRO-3 the parameters' units are gathered and pinned on entry and released
 ``modifier_rank=r``, rank ``r``'s values at exit are broadcast to every rank and written into the
 fp32 master and parameter shards, so the change survives the next step. Under stages 0–2 the
 parameters are whole already; ``modifier_rank`` still broadcasts and updates the masters (which
-otherwise would overwrite the change at the next step). Parameters zeroshard does not manage are
-left alone, as in DeepSpeed.
+otherwise would overwrite the change at the next step). Parameters built under ``zero.Init``
+and not yet given to ``initialize`` are gathered from their chunks and, with ``modifier_rank``,
+written back into them (how transformers loads pretrained weights into a ZeRO-3 model).
+Parameters zeroshard does not manage are left alone, as in DeepSpeed.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Any
 import torch
 
 from zeroshard.comm import collectives as C
+from zeroshard.partition import INIT_CHUNK_ATTR
+from zeroshard.zero.init import InitPartitioned
 
 
 class GatheredParameters:
@@ -37,11 +41,14 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         self._exits: list[Callable[[], None]] = []
+        self._pre_initialize = InitPartitioned()
 
     def _owned(self) -> dict[Any, list[torch.nn.Parameter]]:
         owners: dict[Any, list[torch.nn.Parameter]] = {}
         for p in self.params:
             owner = getattr(p, "_zeroshard_owner", None)
+            if owner is None and getattr(p, INIT_CHUNK_ATTR, None) is not None:
+                owner = self._pre_initialize  # built under zero.Init, not yet given to initialize
             if owner is not None:
                 owners.setdefault(owner, []).append(p)
         return owners

@@ -105,22 +105,56 @@ class Init:
                     len(converted), n, self._session.world)
 
 
+def _gather_chunk(p: torch.nn.Parameter, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The full tensor of a parameter partitioned by ``zero.Init`` (a collective)."""
+    chunk = getattr(p, SHARD_ATTR)
+    shape = full_shape(p)
+    layout = ShardLayout(int(torch.Size(shape).numel()), C.world_size(group))
+    padded = torch.zeros(layout.shard_numel, dtype=chunk.dtype, device=chunk.device)
+    padded[: chunk.numel()] = chunk
+    out = torch.empty(layout.shard_numel * layout.world, dtype=chunk.dtype, device=chunk.device)
+    C.all_gather(out, padded, group, async_op=False, what="all-gather of a zero.Init parameter")
+    return out[: layout.numel].view(shape).clone()
+
+
 def materialize_init_params(model: torch.nn.Module, group: dist.ProcessGroup | None) -> None:
     """Gather parameters built under ``zero.Init`` back into full tensors (for stages 0–2)."""
-    world = C.world_size(group)
     for p in model.parameters():
-        chunk = getattr(p, SHARD_ATTR, None)
-        if chunk is None:
+        if getattr(p, SHARD_ATTR, None) is None:
             continue
-        shape = full_shape(p)
-        layout = ShardLayout(int(torch.Size(shape).numel()), world)
-        padded = torch.zeros(layout.shard_numel, dtype=chunk.dtype, device=chunk.device)
-        padded[: chunk.numel()] = chunk
-        out = torch.empty(layout.shard_numel * world, dtype=chunk.dtype, device=chunk.device)
-        C.all_gather(out, padded, group, async_op=False)
-        p.data = out[: layout.numel].view(shape).clone()
+        p.data = _gather_chunk(p, group)
         delattr(p, SHARD_ATTR)
         delattr(p, SHAPE_ATTR)
 
 
-__all__ = ["Init", "ShardCore", "materialize_init_params"]
+class InitPartitioned:
+    """What ``GatheredParameters`` uses for parameters partitioned by ``zero.Init`` before
+    ``initialize`` owns them (how transformers loads pretrained weights into a ZeRO-3 model):
+    gather them whole for the block, and on exit write the (broadcast) values back into each
+    rank's chunk, so that ``initialize`` partitions what was written."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+
+    def gather_context(self, params: list[torch.nn.Parameter]) -> tuple[Any, Any]:
+        """``(enter, exit)``: make ``params`` whole, then empty placeholders again."""
+
+        def enter() -> None:
+            for p in params:
+                p.data = _gather_chunk(p, self.group)
+
+        def exit_() -> None:
+            for p in params:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+        return enter, exit_
+
+    def write_back(self, p: torch.nn.Parameter) -> None:
+        """Copy this rank's part of the whole (modified) ``p`` into its chunk."""
+        chunk = getattr(p, SHARD_ATTR)
+        layout = ShardLayout(p.numel(), C.world_size(self.group))
+        s, e = layout.local_range(C.rank(self.group))
+        chunk.copy_(p.data.reshape(-1)[s:e])
+
+
+__all__ = ["Init", "InitPartitioned", "ShardCore", "materialize_init_params"]
