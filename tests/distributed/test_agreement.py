@@ -57,7 +57,9 @@ def diverging_worker(rank: int, world: int, stage: int, kind: str, verify_gather
 
 def other_size_worker(rank: int, world: int) -> str:
     """Under ZeRO-3 with prefetching, rank 1 runs a module of another size in one forward: the
-    all-gathers would differ in size (gloo aborts the process), so the gather guard must name it."""
+    all-gathers would differ in size (gloo aborts the process), so the gather guard must name it.
+    At step 2 only when every gather is guarded (by default the first two steps are)."""
+    os.environ["ZEROSHARD_VERIFY_GATHERS"] = "1"
     torch.manual_seed(0)
     model = Twins()
     engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(),
@@ -74,7 +76,12 @@ def other_size_worker(rank: int, world: int) -> str:
 
 
 def extra_micro_step_worker(rank: int, world: int, stage: int, tmp: str) -> str:
-    """Rank 0's data loader has one batch more: it runs an extra micro-step before the save."""
+    """Rank 0's data loader has one batch more: it runs an extra micro-step before the save.
+
+    Under ZeRO-3 its extra forward gathers while rank 1 checks in for the save: past the steps
+    guarded by default that pairs collectives of different sizes (gloo aborts), so every gather
+    is guarded here (``ZEROSHARD_VERIFY_GATHERS=1``, the README's advice for such a divergence)."""
+    os.environ["ZEROSHARD_VERIFY_GATHERS"] = "1" if stage == 3 else ""
     torch.manual_seed(0)
     model = Twins()
     engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config(stage))

@@ -41,6 +41,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from zeroshard.comm import agreement
+from zeroshard.comm import collectives as C
 from zeroshard.comm.subset import arrive
 from zeroshard.stages import host_memory
 from zeroshard.stages.param_unit import ParamUnit, UnitState
@@ -119,8 +120,10 @@ class ParamCoordinator:
         self.step: Callable[[], int] | None = None  # the engine's step counter, for error messages
         self._placeholders = 0
         group = units[0].group if units else None
-        if units and agreement.verify_gathers_default(group):
-            self._guard = agreement.GatherGuard(group, self.unit_names, lambda: self.step() if self.step else None)
+        mode = agreement.verify_gathers_mode()
+        if units and C.world_size(group) > 1 and mode != "off":
+            self._guard = agreement.GatherGuard(group, self.unit_names, lambda: self.step() if self.step else None,
+                                                every_step=mode == "all")
             for u in units:
                 u.verify = self._verify
         for m in self.module_units:
