@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.spawned import run_on_ranks  # noqa: E402
+from benchmarks.spawned import demo_gpt_step, run_on_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "agreement_cost.md"
@@ -56,16 +56,9 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> dict:
             for u, v in verify.items():
                 u.verify = v if on else None
             for step in range(args.steps + 1):
-                dist.barrier()
-                t = time.perf_counter()
-                for _ in range(2):
-                    idx = torch.randint(0, 256, (4, 65))
-                    loss = engine(idx[:, :-1].contiguous(), idx[:, 1:].contiguous())
-                    engine.backward(loss)
-                    engine.step()
-                dist.barrier()
+                seconds = demo_gpt_step(engine)
                 if step:  # the first step of a round warms up
-                    times[on].append(time.perf_counter() - t)
+                    times[on].append(seconds)
         agreement.check = real_check
         gathers = co.gather_count + co.prefetch_count if co is not None and verify else 0
         per_step = gathers / max(1, 2 * args.rounds * (args.steps + 1))

@@ -23,26 +23,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.spawned import run_on_ranks  # noqa: E402
+from benchmarks.spawned import demo_gpt_step, run_on_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "comms_logger_cost.md"
-
-
-def _step(engine: object) -> float:
-    """One optimizer step (2 micro-steps) in seconds, between barriers."""
-    dist.barrier()
-    t = time.perf_counter()
-    for _ in range(2):
-        idx = torch.randint(0, 256, (4, 65))
-        loss = engine(idx[:, :-1].contiguous(), idx[:, 1:].contiguous())  # type: ignore[operator]
-        engine.backward(loss)  # type: ignore[attr-defined]
-        engine.step()  # type: ignore[attr-defined]
-    dist.barrier()
-    return time.perf_counter() - t
 
 
 def bookkeeping_seconds(calls: int = 20000) -> float:
@@ -73,7 +59,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> dict:
                "comms_logger": {"enabled": True}}
         engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         log = engine.comms_logger
-        _step(engine)  # warm-up
+        demo_gpt_step(engine)  # warm-up
         log.summary(print_log=False, reset=True)
         times: dict[bool, list[float]] = {True: [], False: []}
         # Steps on and off alternate (on-off, then off-on) so that load from other processes,
@@ -81,7 +67,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> dict:
         for pair in range(args.pairs):
             for on in ((True, False) if pair % 2 == 0 else (False, True)):
                 log.install() if on else log.uninstall()
-                times[on].append(_step(engine))
+                times[on].append(demo_gpt_step(engine))
         log.uninstall()
         summary = log.summary(print_log=False)["summary"]
         calls = sum(e["count"] for sizes in summary.values() for e in sizes.values()) / args.pairs

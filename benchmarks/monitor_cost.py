@@ -26,10 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.spawned import run_on_ranks  # noqa: E402
+from benchmarks.spawned import demo_gpt_step, run_on_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "monitor_cost.md"
@@ -80,16 +79,9 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> dict:
             on = r % 2 == 0
             engine = engines[on]
             for step in range(args.steps + 1):
-                dist.barrier()
-                t = time.perf_counter()
-                for _ in range(2):
-                    idx = torch.randint(0, 256, (4, 65))
-                    loss = engine(idx[:, :-1].contiguous(), idx[:, 1:].contiguous())
-                    engine.backward(loss)
-                    engine.step()
-                dist.barrier()
+                seconds = demo_gpt_step(engine)
                 if step:  # the first step of a round warms up
-                    times[on].append(time.perf_counter() - t)
+                    times[on].append(seconds)
         engines[True].monitor.close()
         rows.append({"stage": stage, "on": statistics.median(times[True]), "off": statistics.median(times[False]),
                      "reporter": sum(spent) / max(len(spent), 1), "reporter_max": max(spent, default=0.0)})
