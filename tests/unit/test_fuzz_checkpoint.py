@@ -47,7 +47,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -127,14 +126,6 @@ def tree_digest(root: Path) -> str:
         if p.is_file() and not p.is_symlink():
             h.update(p.read_bytes())
     return h.hexdigest()
-
-
-@pytest.fixture(scope="module")
-def process_group() -> Iterator[None]:
-    created = not dist.is_initialized()
-    yield
-    if created and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

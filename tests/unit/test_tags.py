@@ -8,12 +8,10 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from harness import run_distributed
 from models import make_model
 
@@ -24,14 +22,6 @@ from zeroshard.errors import CheckpointError
 
 CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
-
-
-@pytest.fixture(scope="module")
-def process_group() -> Iterator[None]:
-    created = not dist.is_initialized()
-    yield
-    if created and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _trained_engine(stage: int = 1, validation: str = "Warn"):
