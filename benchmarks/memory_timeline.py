@@ -133,7 +133,7 @@ def zeroshard_sources(engine: Any) -> dict[str, Callable[[], list[Any]]]:
     units = getattr(opt, "units", [])
 
     def params() -> list[Any]:
-        shard = [opt.param_shard] if units else []
+        shard = [opt.shard.flat] if units and opt.shard.flat is not None else []
         persistent = [p.data for u in units if u.persistent for p in u.params]
         rest = [] if units else [p.data for p in engine.module.parameters()]
         return shard + persistent + rest

@@ -35,3 +35,26 @@ class CheckpointError(ZeroshardError):
 
 class DistributedError(ZeroshardError, RuntimeError):
     """A problem with the process group or with shapes that would make a collective hang."""
+
+
+class OffloadIOError(ZeroshardError, OSError):
+    """A failed read or write of an NVMe offload swap file (disk full, I/O error, short read).
+
+    Attributes:
+        path: the swap file, or ``None``.
+        errno: the operating system's error number, or ``None`` (a short read has none).
+    """
+
+    def __init__(self, message: str, path: str | None = None, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.filename = path
+        self.errno = errno
+
+    def __str__(self) -> str:
+        # OSError's own __str__ would print "[Errno n] None: 'path'" once errno and filename are set.
+        return str(self.args[0])
+
+    def __reduce__(self) -> tuple[type[OffloadIOError], tuple[str, str | None, int | None]]:
+        # Pickle through the constructor's arguments, so the error survives a trip between processes.
+        return (type(self), (str(self.args[0]), self.path, self.errno))

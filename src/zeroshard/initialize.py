@@ -28,6 +28,7 @@ from zeroshard.device import default_device
 from zeroshard.engine import ZeroEngine
 from zeroshard.errors import ConfigError, NotYetSupportedError
 from zeroshard.monitor.logs import install_default_handler
+from zeroshard.offload import OffloadPolicy
 from zeroshard.optim import build_optimizer, build_scheduler
 from zeroshard.partition import full_numel
 from zeroshard.precision import PrecisionPolicy, make_loss_scaler
@@ -132,10 +133,11 @@ def initialize(
     )
     _note_default_clipping(cfg, group)
     scaler = make_loss_scaler(cfg.fp16)
+    offload = OffloadPolicy.from_config(cfg)
     zero_opt = (
-        Stage3Optimizer(model, param_groups, spec, policy, scaler, group, device)
+        Stage3Optimizer(model, param_groups, spec, policy, scaler, group, device, offload)
         if spec.stage == 3
-        else ZeroOptimizer(param_groups, spec, policy, scaler, group, device)
+        else ZeroOptimizer(param_groups, spec, policy, scaler, group, device, offload)
     )
     if policy.param_dtype != torch.float32:
         model.to(policy.param_dtype)

@@ -85,11 +85,10 @@ def test_zero3_tuned_loads(world_size: int) -> None:
 
 @needs_configs
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_offload_configs_not_yet_supported(world_size: int) -> None:
-    with pytest.raises(NotYetSupportedError) as e:
-        load_config(CONFIGS / "zero3_offload_cpu.json", world_size)
-    assert e.value.key == "zero_optimization.offload_optimizer.device"
-    assert e.value.key in str(e.value)
+def test_offload_configs_load(world_size: int) -> None:
+    cfg = load_config(CONFIGS / "zero3_offload_cpu.json", world_size)
+    assert cfg.zero_optimization.offload_optimizer.device == "cpu"
+    assert cfg.zero_optimization.offload_param.device == "cpu"
 
 
 @needs_configs
@@ -132,9 +131,7 @@ def test_zero_infinity_auto_values_resolved(world_size: int, tbs: int) -> None:
     off = cfg.zero_optimization.offload_optimizer
     assert off.device == "nvme" and off.nvme_path == Path("/local/nvme")
     assert cfg.zero_optimization.sub_group_size == 1_000_000_000
-    with pytest.raises(NotYetSupportedError) as e:
-        load_config(CONFIGS / "zero_infinity_nvme.json", world_size, auto)
-    assert e.value.key == "zero_optimization.offload_optimizer.device"
+    assert load_config(CONFIGS / "zero_infinity_nvme.json", world_size, auto).zero_optimization == cfg.zero_optimization
 
 
 # --------------------------------------------------------------------------- inputs
@@ -433,6 +430,12 @@ def test_nvme_requires_path() -> None:
     assert e.value.key == "zero_optimization.offload_optimizer.nvme_path"
 
 
+def test_offload_optimizer_refused_at_stage0() -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(_cfg(zero_optimization={"stage": 0, "offload_optimizer": {"device": "cpu"}}), 1)
+    assert e.value.key == "zero_optimization.offload_optimizer.device"
+
+
 def test_offload_param_requires_stage3() -> None:
     with pytest.raises(ConfigError, match="requires ZeRO stage 3") as e:
         load_config(_cfg(zero_optimization={"stage": 2, "offload_param": {"device": "cpu"}}), 1)
@@ -446,8 +449,8 @@ def test_offload_param_requires_stage3() -> None:
     ("overrides", "key"),
     [
         (
-            {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
-            "zero_optimization.offload_optimizer.device",
+            {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
+            "zero_optimization.offload_optimizer.ratio",
         ),
     ],
 )

@@ -59,13 +59,14 @@ def _check_names(src: CheckpointSource, trained: list[collect.TrainedParam], str
 
 def _load_weights(src: CheckpointSource, engine: Any, trained: list[collect.TrainedParam], strict: bool) -> None:
     with torch.no_grad():
+        store = engine.optimizer.store  # masters may live on the device, in host memory or in a file
         for tp in trained:
             if tp.name in src.params:
-                src.read(MASTER, tp.name, tp.lo, tp.hi, out=tp.master.data)
+                store.write_master(tp.master, src.read(MASTER, tp.name, tp.lo, tp.hi))
             elif tp.name in src.frozen:  # frozen when saved, trained now
                 value = src.read_extra(tp.name)
                 _check_shape(src, tp.name, tuple(value.shape), tp.shape)
-                tp.master.copy_(value.reshape(-1)[tp.lo : tp.hi])
+                store.write_master(tp.master, value.reshape(-1)[tp.lo : tp.hi])
         trained_ids = {id(tp.param) for tp in trained}
         live_extra = {n: p for n, p in engine.module.named_parameters() if id(p) not in trained_ids}
         state = collect.module_state(engine)  # names and buffers only: nothing to gather
@@ -88,29 +89,28 @@ def _load_optimizer(src: CheckpointSource, engine: Any, trained: list[collect.Tr
         raise CheckpointError(f"{src.path} has {len(src.param_groups)} optimizer param groups, the optimizer "
                               f"{len(opt.param_groups)}")
     index = {id(m): i for i, m in enumerate(m for g in opt.param_groups for m in g["params"])}
-    states: dict[int, dict[str, Any]] = {}
+    store = engine.optimizer.store
+    # Scalars (``step``) go through the optimizer's load_state_dict; per-element entries are
+    # written through the store afterwards, one parameter at a time (to its swap file with NVMe
+    # offload), so the whole state is never held twice.
+    scalars: dict[int, dict[str, Any]] = {}
     for tp in trained:
         sp = src.params.get(tp.name)
-        if sp is None:
-            continue
-        live = opt.state.get(tp.master, {})
-        st = {}
-        for key, kind in sp.state.items():
-            if kind != collect.SHARDED:
-                st[key] = src.read_scalar(key, tp.name)
-                continue
-            # Refill a live state tensor of the right shape in place: no second copy of the state.
-            cur = live.get(key)
-            fits = isinstance(cur, torch.Tensor) and cur.shape == tp.master.shape and cur.is_contiguous()
-            st[key] = src.read(key, tp.name, tp.lo, tp.hi, out=cur if fits else None)
-        if st:
-            states[index[id(tp.master)]] = st
+        if sp is not None:
+            st = {key: src.read_scalar(key, tp.name) for key, kind in sp.state.items() if kind != collect.SHARDED}
+            if sp.state:
+                scalars[index[id(tp.master)]] = st
     current = opt.state_dict()
     groups = []
     for i, g in enumerate(current["param_groups"]):
         saved = src.param_groups[i] if src.param_groups is not None else {}
         groups.append({**g, **{k: v for k, v in saved.items() if k not in collect.IMPLEMENTATION_KEYS}})
-    _restore(src, "the optimizer state", lambda: opt.load_state_dict({"state": states, "param_groups": groups}))
+    _restore(src, "the optimizer state", lambda: store.load_states(scalars, groups))
+    for tp in trained:
+        sp = src.params.get(tp.name)
+        for key, kind in (sp.state.items() if sp is not None else ()):
+            if kind == collect.SHARDED:
+                store.write_state(tp.master, key, src.read(key, tp.name, tp.lo, tp.hi))
     scaler, saved_scaler = engine.optimizer.scaler, src.loss_scaler
     if saved_scaler is not None:
         if bool(saved_scaler.get("dynamic")) == bool(getattr(scaler, "dynamic", False)):

@@ -16,11 +16,13 @@ successful save also removes what interrupted saves of the same tag left behind.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import secrets
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,22 +50,45 @@ def _nonce(group: dist.ProcessGroup | None) -> str:
     return f"{int(value.item()) & 0xFFFFFFFF:08x}"
 
 
+def _master_piece(store: Any, tp: collect.TrainedParam, s: int, e: int) -> torch.Tensor:
+    return store.master_values(tp.master)[s - tp.lo : e - tp.lo]  # type: ignore[no-any-return]
+
+
 def _write_rank_file(path: Path, trained: list[collect.TrainedParam], kinds: dict[str, dict[str, str]],
-                     optimizer: torch.optim.Optimizer, rank: int, world: int) -> int:
-    sources: dict[str, torch.Tensor] = {}
+                     store: Any, rank: int, world: int) -> int:
+    """Stream this rank's pieces. Each parameter's master and state come from the state store
+    when they are written (read from swap files with NVMe offload), one parameter at a time."""
+    specs: list[TensorSpec] = []
+    fetch: dict[str, Callable[[], torch.Tensor]] = {}
+    last: dict[str, Any] = {"master": None, "state": {}}  # the parameter whose entries are being written
+
+    def state_of(tp: collect.TrainedParam) -> dict[str, Any]:
+        if last["master"] is not tp.master:
+            last["master"], last["state"] = tp.master, store.state(tp.master)
+        return last["state"]  # type: ignore[no-any-return]
+
     for tp in trained:
         s, e = tp.save_range(rank, world)
         if e <= s:
             continue
-        sources[master_key(tp.name)] = tp.master.detach()[s - tp.lo : e - tp.lo]
-        state = optimizer.state.get(tp.master, {})
+        specs.append(TensorSpec(master_key(tp.name), torch.float32, (e - s,)))
+        fetch[master_key(tp.name)] = functools.partial(_master_piece, store, tp, s, e)
+        meta_state = store.state_meta(tp.master)  # shapes and dtypes; scalars are real
         for key, kind in kinds[tp.name].items():
-            sources[optim_key(key, tp.name)] = collect.state_piece(state[key], kind, tp.lo, s, e)
+            if kind == collect.SHARDED:
+                specs.append(TensorSpec(optim_key(key, tp.name), meta_state[key].dtype, (e - s,)))
+            else:
+                piece = collect.state_piece(meta_state[key], kind, tp.lo, s, e)
+                specs.append(TensorSpec(optim_key(key, tp.name), piece.dtype, tuple(piece.shape)))
+            fetch[optim_key(key, tp.name)] = functools.partial(
+                lambda tp, key, kind, s, e: collect.state_piece(state_of(tp)[key], kind, tp.lo, s, e),
+                tp, key, kind, s, e)
     rng_tensors, rng_record = capture_rng()
-    sources.update(rng_tensors)
-    specs = [TensorSpec(k, t.dtype, tuple(t.shape)) for k, t in sources.items()]
+    for k, t in rng_tensors.items():
+        specs.append(TensorSpec(k, t.dtype, tuple(t.shape)))
+        fetch[k] = functools.partial(rng_tensors.__getitem__, k)
     meta = {"format": "zeroshard", "rank": str(rank), "world_size": str(world), "rng": json.dumps(rng_record)}
-    return write_safetensors(path, specs, lambda spec: sources[spec.name], meta,
+    return write_safetensors(path, specs, lambda spec: fetch[spec.name](), meta,
                              after_each=lambda i: fault_point("shard_partial", rank) if i == 0 else None,
                              checksums=True)
 
@@ -120,12 +145,12 @@ def save_checkpoint(engine: Any, save_dir: str | Path, tag: str | None = None, c
     started = time.perf_counter()
     if rank == 0:
         logger.info("saving checkpoint %s from %d ranks", root / tag, world)
-    opt = engine.optimizer.optimizer
     trained = collect.trained_params(engine)
     table = TensorTable("meta/")
 
     def prepare() -> tuple[dict[str, dict[str, str]], dict[str, Any], CheckpointMeta | None]:
-        kinds = {tp.name: collect.state_kinds(opt.state.get(tp.master, {}), tp.master, tp.name) for tp in trained}
+        store = engine.optimizer.store
+        kinds = {tp.name: collect.state_kinds(store.state_meta(tp.master), tp.master, tp.name) for tp in trained}
         if rank != 0:
             return kinds, {}, None
         with C.on_ranks([0], "preparing the checkpoint, which runs on rank 0 only", group):
@@ -144,7 +169,7 @@ def save_checkpoint(engine: Any, save_dir: str | Path, tag: str | None = None, c
     fault_point("begin", rank)
     try:
         def write() -> int:
-            size = _write_rank_file(tmp / rank_file(rank, world), trained, kinds, opt, rank, world)
+            size = _write_rank_file(tmp / rank_file(rank, world), trained, kinds, engine.optimizer.store, rank, world)
             if rank == 0:
                 assert meta is not None
                 with C.on_ranks([0], "writing the checkpoint's extra file, which runs on rank 0 only", group):

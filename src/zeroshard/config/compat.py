@@ -37,6 +37,7 @@ ALIASES: dict[str, str] = {
     _Z + "prefetch_bucket_size": _Z + "stage3_prefetch_bucket_size",
     _Z + "param_persistence_threshold": _Z + "stage3_param_persistence_threshold",
     _Z + "model_persistence_threshold": _Z + "stage3_model_persistence_threshold",
+    "aio.thread_count": "aio.intra_op_parallelism",
 }
 """Alternative key paths DeepSpeed accepts, mapped to the canonical key path used by zeroshard."""
 
@@ -118,8 +119,9 @@ DEEPSPEED_ONLY: dict[str, Any] = {
     _Z + "cpu_offload": None,
     _Z + "cpu_offload_param": None,
     _Z + "cpu_offload_use_pin_memory": None,
-    _Z + "offload_optimizer.pipeline_read": False,
-    _Z + "offload_optimizer.pipeline_write": False,
+    # NVMe swapping is always pipelined (read ahead, write behind): either value describes it.
+    _Z + "offload_optimizer.pipeline_read": ANY_VALUE,
+    _Z + "offload_optimizer.pipeline_write": ANY_VALUE,
     _Z + "offload_optimizer.super_offload": False,
     _Z + "offload_optimizer.cpuadam_cores_perc": ANY_VALUE,
     # precision

@@ -97,6 +97,9 @@ def _check_consistency(cfg: ZeroshardConfig) -> None:
             f"not stage {zero.stage}",
             key="zero_optimization.offload_optimizer.ratio",
         )
+    if zero.offload_optimizer.device != "none" and zero.stage == 0:
+        raise ConfigError("optimizer offload needs ZeRO stage 1, 2 or 3 (stage 0 keeps the whole optimizer "
+                          "state on every rank)", key="zero_optimization.offload_optimizer.device")
     if zero.offload_param.device != "none" and zero.stage != 3:
         raise ConfigError(
             f"parameter offload requires ZeRO stage 3, not stage {zero.stage}",

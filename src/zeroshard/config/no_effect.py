@@ -26,7 +26,6 @@ __all__ = ["CONSUMERS", "NO_EFFECT", "no_effect_keys_set", "warn_no_effect"]
 logger = logging.getLogger("zeroshard")
 
 _Z = "zero_optimization."
-_OFFLOAD = "only used with offload, which zeroshard does not do yet"
 
 # fmt: off
 CONSUMERS: dict[str, str] = {
@@ -48,8 +47,21 @@ CONSUMERS: dict[str, str] = {
     _Z + "reduce_bucket_size": "initialize.py",
     _Z + "allgather_bucket_size": "initialize.py",
     _Z + "overlap_comm": "initialize.py",
-    _Z + "offload_optimizer.device": "config/support.py",
-    _Z + "offload_param.device": "config/support.py",
+    _Z + "offload_optimizer.device": "offload/policy.py",
+    _Z + "offload_optimizer.nvme_path": "offload/policy.py",
+    _Z + "offload_optimizer.pin_memory": "offload/policy.py",
+    _Z + "offload_optimizer.buffer_count": "offload/policy.py",
+    _Z + "offload_optimizer.ratio": "config/support.py",
+    _Z + "offload_param.device": "offload/policy.py",
+    _Z + "offload_param.nvme_path": "offload/policy.py",
+    _Z + "offload_param.pin_memory": "offload/policy.py",
+    _Z + "offload_param.buffer_count": "offload/policy.py",
+    _Z + "offload_param.buffer_size": "offload/policy.py",
+    _Z + "sub_group_size": "offload/policy.py",
+    "aio.block_size": "offload/policy.py",
+    "aio.queue_depth": "offload/policy.py",
+    "aio.intra_op_parallelism": "offload/policy.py",
+    "aio.use_gds": "offload/policy.py",
     _Z + "stage3_max_live_parameters": "initialize.py",
     _Z + "stage3_prefetch_bucket_size": "initialize.py",
     _Z + "stage3_param_persistence_threshold": "initialize.py",
@@ -115,28 +127,29 @@ NO_EFFECT: dict[str, str] = {
     _Z + "contiguous_gradients": "gradients always go to flat contiguous buckets",
     _Z + "reduce_scatter": "gradients are always reduce-scattered at stages 1-3 (all-reduced at stage 0)",
     _Z + "allgather_partitions": "updated shards are always all-gathered, never broadcast one by one",
-    _Z + "round_robin_gradients": "only used with optimizer offload to the CPU, which zeroshard does not do yet",
-    _Z + "sub_group_size": "the optimizer steps on the whole local shard at once (DeepSpeed tiles it for offload)",
+    _Z + "round_robin_gradients": ("with optimizer offload each rank moves only its own reduced gradient shard "
+                                   "to the host; there is nothing to spread over ranks"),
     _Z + "stage3_max_reuse_distance": "subsumed by stage3_max_live_parameters, an LRU budget (see README)",
     _Z + "stage3_model_persistence_threshold": ("only stage3_param_persistence_threshold decides which units "
                                                 "stay gathered; their total is not capped"),
     _Z + "stage3_gather_16bit_weights_on_model_save": ("save_16bit_model always works under ZeRO-3: it streams "
                                                        "unit by unit"),
     _Z + "elastic_checkpoint": "every checkpoint reloads at any world size and stage",
-    **{_Z + f"offload_optimizer.{k}": _OFFLOAD for k in ("nvme_path", "pin_memory", "buffer_count", "fast_init",
-                                                        "ratio")},
-    **{_Z + f"offload_param.{k}": _OFFLOAD for k in ("nvme_path", "pin_memory", "buffer_count", "buffer_size",
-                                                    "max_in_cpu")},
+    _Z + "offload_optimizer.fast_init": ("the optimizer creates its state in its first step, sub-group by "
+                                         "sub-group, straight into the swap buffers: there is no slow path"),
+    _Z + "offload_param.max_in_cpu": ("with NVMe parameter offload every parameter shard lives in the swap file; "
+                                      "host memory holds only the read buffers (buffer_count x buffer_size)"),
     "activation_checkpointing.contiguous_memory_optimization": ("torch's caching allocator reuses the freed "
                                                                 "blocks: there is no contiguous buffer to keep"),
     "activation_checkpointing.number_checkpoints": "only sizes DeepSpeed's contiguous buffer (see the key above)",
     "zero_allow_untested_optimizer": "any torch optimizer steps on the shard; none is refused",
-    "zero_force_ds_cpu_optimizer": "only used with optimizer offload, which zeroshard does not do yet",
+    "zero_force_ds_cpu_optimizer": ("any torch optimizer steps on host tensors with optimizer offload (Adam and "
+                                    "AdamW use torch's fused CPU kernel); none is refused"),
     "checkpoint.load_universal": ("zeroshard checkpoints reload at any world size and stage without conversion; "
                                   "DeepSpeed universal-checkpoint directories are not read"),
     "checkpoint.use_node_local_storage": "every rank writes its shard to save_dir (a file system all nodes share)",
-    **{f"aio.{k}": "only used with NVMe offload, which zeroshard does not do yet"
-       for k in ("block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events", "use_gds")},
+    **{f"aio.{k}": "swap files are read and written by a thread pool over preadv/pwritev, not libaio submissions"
+       for k in ("single_submit", "overlap_events")},
 }
 """Key path -> why the key is accepted but has no effect."""
 # fmt: on

@@ -34,14 +34,14 @@ class NotYetSupported(NamedTuple):
         return f"{self.feature} is not yet supported (coming with the {self.issue} issue)"
 
 
-def _offloaded(device: str) -> bool:
-    return device != "none"
+def _partial(ratio: float) -> bool:
+    return ratio < 1.0
 
 
 # fmt: off
 NOT_YET_SUPPORTED: list[NotYetSupported] = [
-    NotYetSupported("zero_optimization.offload_optimizer.device", _offloaded, "optimizer offload", "offload"),
-    NotYetSupported("zero_optimization.offload_param.device", _offloaded, "parameter offload", "offload"),
+    NotYetSupported("zero_optimization.offload_optimizer.ratio", _partial,
+                    "partial optimizer offload (ratio below 1.0; offload all of it or none)", "a later offload"),
 ]
 """Features not supported yet, checked in order by :func:`check_supported`. Delete a row when its feature
 lands."""

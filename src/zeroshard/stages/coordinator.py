@@ -112,7 +112,7 @@ class ParamCoordinator:
         self._handles: list[Any] = []
         # Released units leave holes in the heap between activations (CPU): with the opt-in
         # ZEROSHARD_MALLOC_TRIM=1, give them back every TRIM_BYTES released (see host_memory).
-        self._trim = host_memory.TrimEvery(TRIM_BYTES if units and units[0].shard.device.type == "cpu" else 2**62,
+        self._trim = host_memory.TrimEvery(TRIM_BYTES if units and units[0].device.type == "cpu" else 2**62,
                                            training=True)
         self.gather_count = 0
         self.prefetch_count = 0
@@ -356,7 +356,7 @@ class ParamCoordinator:
             was_gathered = u.state is not UnitState.SHARDED
             u.release(free_storage)
             if was_gathered and free_storage:
-                self._trim.freed(u.numel * u.shard.element_size())
+                self._trim.freed(u.numel * u.dtype.itemsize)
 
     def unpin(self, units: Iterable[ParamUnit]) -> None:
         """End an explicit gather: unpinned units are released (persistent ones stay). Their

@@ -50,7 +50,7 @@ class GradSync:
     """Base class: hook bookkeeping and in-order bucket launching."""
 
     def __init__(self, buckets: list[Bucket], group: dist.ProcessGroup | None, policy: PrecisionPolicy,
-                 device: torch.device, overlap_comm: bool) -> None:
+                 device: torch.device, overlap_comm: bool, acc_device: torch.device | None = None) -> None:
         #: Launch strictly in bucket order (stages 0-2). ZeRO-3 launches each unit as it completes:
         #: its all-gathers already require every rank to run modules in the same order.
         self.ordered = True
@@ -61,6 +61,8 @@ class GradSync:
         self.world = C.world_size(group)
         self.policy = policy
         self.device = device
+        #: where the persistent gradient shard accumulates (host memory with optimizer offload)
+        self.acc_device = acc_device if acc_device is not None else device
         self.overlap_comm = overlap_comm
         self.layout_world = buckets[0].layouts[0].world if buckets and buckets[0].layouts else 1
         #: this rank's row in the ``[layout_world, bucket.numel]`` layout
@@ -301,8 +303,11 @@ class MicroStepReduceScatterSync(GradSync):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        # Written (not added) by each bucket's first reduction of a window.
-        self.acc = torch.empty(self.shard_numel, dtype=self.policy.grad_accum_dtype, device=self.device)
+        # Written (not added) by each bucket's first reduction of a window. With optimizer offload
+        # it lives in host memory (pinned on an accelerator): only this rank's shard crosses over.
+        pin = self.acc_device.type == "cpu" and self.device.type != "cpu" and torch.cuda.is_available()
+        self.acc = torch.empty(self.shard_numel, dtype=self.policy.grad_accum_dtype, device=self.acc_device,
+                               pin_memory=pin)
         self._acc_views = [self.acc[b.start : b.start + b.numel] for b in self.buckets]
         self._capacity = max((b.full_numel for b in self.buckets), default=0)
         self._buffers: dict[int, torch.Tensor] = {}  # bucket index -> buffer being filled or reduced
@@ -339,11 +344,15 @@ class MicroStepReduceScatterSync(GradSync):
 
         def finalize() -> None:
             row = pending.wait()
+            post = self._post(1.0 / self.world)
+            if row.device != acc.device:  # offload: the averaged row goes to host memory
+                row = row.mul(post).to(acc.device)
+                post = 1.0
             if bucket.index in self._fresh:
                 self._fresh.discard(bucket.index)
-                torch.mul(row, self._post(1.0 / self.world), out=acc)
+                torch.mul(row, post, out=acc)
             else:
-                acc.add_(row, alpha=self._post(1.0 / self.world))
+                acc.add_(row, alpha=post)
             self._free.append(self._buffers.pop(bucket.index))
 
         return finalize

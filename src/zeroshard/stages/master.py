@@ -10,7 +10,7 @@ given to the optimizer).
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import torch
 import torch.distributed as dist
@@ -19,21 +19,40 @@ from zeroshard.comm import collectives as C
 from zeroshard.partition import INIT_CHUNK_ATTR, Bucket, consecutive_runs, gather_from_rows
 
 
+def swapped_placeholder(numel: int) -> torch.Tensor:
+    """What a swapped-out master holds: the right shape, one element of memory, and NaN, so that a
+    read that bypasses the state store shows at once (a ``meta`` tensor cannot be swapped for host
+    memory through ``.data``)."""
+    return torch.full((1,), float("nan"), dtype=torch.float32).expand(numel)
+
+
 class MasterShard:
     """The rank-local flat fp32 master buffer and its per-parameter views.
 
     With ``alias_params`` (fp32 training, stages 0–2) there is no separate buffer: each master is a
     view of this rank's chunk *inside the module's own fp32 parameter*, so master weights cost no
     memory, as in the ZeRO formulas for fp32, and stage 0 needs no copy back into the module.
+
+    ``device`` is where the flat buffer lives: the training device, or the host with optimizer
+    offload. With ``swapped`` (NVMe optimizer offload) there is no buffer either: the views are
+    placeholders (:func:`swapped_placeholder`) until the swapped store points them at a sub-group
+    buffer for the step; the initial values are taken from :meth:`initial_values` by the store,
+    which writes them to its files.
     """
 
-    def __init__(self, buckets: list[Bucket], rank: int, device: torch.device, alias_params: bool = False) -> None:
+    def __init__(self, buckets: list[Bucket], rank: int, device: torch.device, alias_params: bool = False,
+                 swapped: bool = False) -> None:
         self.buckets = buckets
         self.rank = rank
         self.numel = sum(b.numel for b in buckets)
         self.aliased = alias_params
         self.device = device
-        self.flat = torch.zeros(0 if alias_params else self.numel, dtype=torch.float32, device=device)
+        self.swapped = swapped and not alias_params
+        self.flat = torch.zeros(0 if alias_params or self.swapped else self.numel, dtype=torch.float32, device=device)
+        #: the flat source of the compute-dtype parameters published after a step (stages 1-2
+        #: pack their all-gathers from it): the masters, or a compute-dtype shard the swapped
+        #: store keeps current
+        self.pack_source = self.flat
         self.views: dict[torch.nn.Parameter, torch.nn.Parameter] = {}
         #: each parameter's real element range ``[s, e)`` held by this rank
         self.ranges: dict[torch.nn.Parameter, tuple[int, int]] = {}
@@ -50,27 +69,53 @@ class MasterShard:
                 a = b.start + off
                 if alias_params:
                     view = p.data.view(-1)[s:e]
+                elif self.swapped:
+                    view = swapped_placeholder(e - s)
                 else:
                     view = self.flat[a : a + (e - s)]
+                self.ranges[p] = (s, e)
+                if not alias_params and not self.swapped:
                     # Copied from the full-precision values before the module is cast to a 16-bit
                     # dtype; a parameter built under zero.Init brings exactly this chunk along.
-                    chunk = getattr(p, INIT_CHUNK_ATTR, None)
-                    view.copy_(chunk if chunk is not None else p.detach().reshape(-1)[s:e])
+                    view.copy_(self.initial_values(p))
                 master = torch.nn.Parameter(view)
                 self.views[p] = master
-                self.ranges[p] = (s, e)
                 self.slices.append((master, b.index, off, e - s))
 
-    def attach_grads(self, grads: list[torch.Tensor], skip: Collection[torch.nn.Parameter] = ()) -> None:
-        """Point every master's ``.grad`` at its slice of the fp32 gradient shard (one flat tensor
-        per bucket); masters in ``skip`` get none, so the optimizer leaves them (and their state)
-        untouched."""
-        for master, bucket, off, n in self.slices:
-            master.grad = None if master in skip else grads[bucket][off : off + n]
+    def initial_values(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """This rank's chunk of ``p`` as it was before training (the ``zero.Init`` chunk, or a
+        slice of the module's fp32 value)."""
+        s, e = self.ranges[p]
+        chunk = getattr(p, INIT_CHUNK_ATTR, None)
+        return chunk if chunk is not None else p.detach().reshape(-1)[s:e]
 
-    def detach_grads(self) -> None:
+    def initial_flat(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat tensor of the layout holding the initial values in ``dtype`` (padding zero): the
+        compute-dtype parameter shard when the masters themselves are swapped out."""
+        out = torch.zeros(self.numel, dtype=dtype, device=device)
+        for p, (_master, bucket, off, n) in zip(self.views, self.slices):
+            a = self.buckets[bucket].start + off
+            out[a : a + n].copy_(self.initial_values(p))
+        return out
+
+    def attach_grads(self, grads: list[torch.Tensor], skip: Collection[torch.nn.Parameter] = (),
+                     slices: Sequence[tuple[torch.nn.Parameter, int, int, int]] | None = None) -> None:
+        """Point the masters' ``.grad`` at their slices of the fp32 gradient shard (one flat tensor
+        per bucket); masters in ``skip`` get none, so the optimizer leaves them (and their state)
+        untouched. ``slices``: only these masters (one sub-group), the others get none either.
+        A gradient on another device than its master (CPU optimizer offload) is copied over."""
+        for master, bucket, off, n in self.slices if slices is None else slices:
+            if master in skip:
+                master.grad = None
+                continue
+            g = grads[bucket][off : off + n]
+            master.grad = g if g.device == master.device else g.to(master.device, non_blocking=True)
+        if slices is not None and any(g.device.type == "cuda" for g in grads):
+            torch.cuda.current_stream().synchronize()  # non-blocking copies to host must land first
+
+    def detach_grads(self, slices: Sequence[tuple[torch.nn.Parameter, int, int, int]] | None = None) -> None:
         """Drop the master gradients (they are views of a buffer the gradient sync owns)."""
-        for master, *_ in self.slices:
+        for master, *_ in self.slices if slices is None else slices:
             master.grad = None
 
     def bytes_held(self) -> int:
@@ -78,11 +123,13 @@ class MasterShard:
         return self.flat.numel() * self.flat.element_size()
 
     def copy_to_params(self) -> None:
-        """Stage 0: each rank owns whole parameters; copy (and cast) masters into the module."""
+        """One rank (stage 0, or any stage on one rank) owns whole parameters: copy (and cast) the
+        masters, or their published copy, into the module."""
         if self.aliased:
             return
-        for p, master in self.views.items():
-            p.data.copy_(master.detach().view_as(p))
+        for p, (_master, bucket, off, n) in zip(self.views, self.slices):
+            a = self.buckets[bucket].start + off
+            p.data.copy_(self.pack_source[a : a + n].view_as(p))
 
     def workspace_bytes(self) -> int:
         """Bytes of the all-gather buffers during the last parameter update (they are freed after
@@ -134,8 +181,8 @@ class MasterShard:
     def _pack(self, buckets: list[Bucket], a: int, b: int, send: torch.Tensor) -> torch.Tensor:
         """This rank's row ``[a, b)`` of the flat layout, in ``send``'s dtype (padding slots are
         left as they are: no rank reads them)."""
-        if not self.aliased:  # 16-bit training: cast the fp32 masters
-            return send.copy_(self.flat[a:b])
+        if not self.aliased:  # 16-bit training: cast the fp32 masters (or their published copy)
+            return send.copy_(self.pack_source[a:b])
         for bk in buckets:
             for p, off in zip(bk.params, bk.offsets):
                 view = self.views[p].detach()

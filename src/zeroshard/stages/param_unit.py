@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,10 +42,20 @@ class UnitState(enum.Enum):
 class ParamUnit:
     """Parameters of one unit, with their shard and the gather/release transitions."""
 
-    def __init__(self, bucket: Bucket, shard: torch.Tensor, group: dist.ProcessGroup | None,
-                 persistent: bool, name: str) -> None:
+    def __init__(self, bucket: Bucket, shard: torch.Tensor | None, group: dist.ProcessGroup | None,
+                 persistent: bool, name: str, device: torch.device | None = None, swap: Any = None,
+                 dtype: torch.dtype | None = None) -> None:
         self.bucket = bucket
-        self.shard = shard  # [bucket.numel] compute-dtype view into the flat shard buffer
+        #: ``[bucket.numel]`` compute-dtype view into the flat shard buffer (on the device, or in
+        #: host memory with parameter offload); ``None`` when the shard lives in ``swap``'s file
+        self.shard = shard
+        #: the parameter swap file (:class:`~zeroshard.offload.param_store.ParamSwapFile`) with NVMe
+        #: parameter offload
+        self.swap = swap
+        #: where gathered parameters live (the training device)
+        self.device = device if device is not None else (shard.device if shard is not None else torch.device("cpu"))
+        self.dtype = dtype if dtype is not None else (shard.dtype if shard is not None else torch.float32)
+        self._read: Any = None  # a swap-file read in flight (NVMe parameter offload)
         self.group = group
         self.world = C.world_size(group)
         self.persistent = persistent
@@ -76,10 +87,18 @@ class ParamUnit:
             return
         if self.verify is not None:
             self.verify(self)
-        out = torch.empty(self.world * self.bucket.numel, dtype=self.shard.dtype, device=self.shard.device)
-        work = C.all_gather(out, self.shard, self.group, what=self.gather_what)
-        self._pending = (out, work)
         self.state = UnitState.GATHERING
+        if self.swap is not None:  # the all-gather starts once the read has landed (wait_gather)
+            self._read = self.swap.read(self.bucket.index)
+            return
+        self._start_all_gather(self.shard)
+
+    def _start_all_gather(self, shard: torch.Tensor | None) -> None:
+        assert shard is not None
+        if shard.device != self.device:  # parameter offload to host memory
+            shard = shard.to(self.device, non_blocking=True)
+        out = torch.empty(self.world * self.bucket.numel, dtype=self.dtype, device=self.device)
+        self._pending = (out, C.all_gather(out, shard, self.group, what=self.gather_what))
 
     def wait_gather(self) -> None:
         """Finish a gather: full parameter tensors in place of the placeholders."""
@@ -87,6 +106,15 @@ class ParamUnit:
             self.launch_gather()
         if self.state is not UnitState.GATHERING:
             return
+        if self._read is not None:
+            read, self._read = self._read, None
+            try:
+                self._start_all_gather(read.wait())
+                out, work = self._pending if self._pending is not None else (None, None)
+                if work is not None:
+                    work.wait()  # the buffer goes back to the pool only once the collective has read it
+            finally:
+                read.release()
         assert self._pending is not None
         out, work = self._pending
         self._pending = None
@@ -100,7 +128,7 @@ class ParamUnit:
                 full = freed[i]
                 full.untyped_storage().resize_(full.numel() * full.element_size())
             else:
-                full = torch.empty(shape, dtype=self.shard.dtype, device=self.shard.device)
+                full = torch.empty(shape, dtype=self.dtype, device=self.device)
             gather_from_rows(rows[:, off : off + layout.shard_numel], full.view(-1))
             p.data = full
         self.state = UnitState.GATHERED
@@ -114,7 +142,7 @@ class ParamUnit:
         if self.state is UnitState.GATHERED:
             full = [p.data for p in self.params]
             for p in self.params:
-                p.data = torch.empty(0, dtype=self.shard.dtype, device=self.shard.device)
+                p.data = torch.empty(0, dtype=self.dtype, device=self.device)
             if free_storage:
                 for t in full:
                     t.untyped_storage().resize_(0)
@@ -124,9 +152,31 @@ class ParamUnit:
     def write_back(self, rank: int, master_views: list[torch.Tensor] | None) -> None:
         """Copy the gathered values' local chunk into the shard (and fp32 masters, if given)."""
         assert self.state is UnitState.GATHERED
+        shard = self._read_row() if self.swap is not None else self.shard
+        assert shard is not None
         for i, (p, layout, off) in enumerate(zip(self.params, self.bucket.layouts, self.bucket.offsets)):
             s, e = layout.local_range(rank)
             values = p.data.reshape(-1)[s:e]
-            self.shard[off : off + (e - s)].copy_(values)
+            shard[off : off + (e - s)].copy_(values)
             if master_views is not None:
                 master_views[i].data.copy_(values)
+        if self.swap is not None:
+            self.swap.write(self.bucket.index, shard)
+
+    def write_shard(self, off: int, values: torch.Tensor) -> None:
+        """Overwrite elements ``[off, off + len(values))`` of this rank's chunk of the unit."""
+        if self.swap is None:
+            assert self.shard is not None
+            self.shard[off : off + values.numel()].copy_(values)
+            return
+        row = self._read_row()
+        row[off : off + values.numel()].copy_(values)
+        self.swap.write(self.bucket.index, row)
+
+    def _read_row(self) -> torch.Tensor:
+        """A private copy of this rank's chunk of the unit, read from the swap file."""
+        read = self.swap.read(self.bucket.index)
+        try:
+            return read.wait().clone()
+        finally:
+            read.release()

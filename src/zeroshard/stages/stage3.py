@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zeroshard.offload import OffloadPolicy
+from zeroshard.offload.param_store import make_param_shard
 from zeroshard.partition import INIT_CHUNK_ATTR, SHAPE_ATTR, Bucket, buckets_from_groups, merge_buckets
 from zeroshard.precision import LossScaler, PrecisionPolicy
 from zeroshard.stages import host_memory
@@ -41,16 +43,19 @@ class Stage3Optimizer(ZeroOptimizer):
 
     def __init__(self, module: torch.nn.Module, param_groups: list[dict[str, Any]], spec: StageSpec,
                  policy: PrecisionPolicy, scaler: LossScaler, group: dist.ProcessGroup | None,
-                 device: torch.device) -> None:
+                 device: torch.device, offload: OffloadPolicy | None = None) -> None:
         self.module = module
-        super().__init__(param_groups, spec, policy, scaler, group, device)
+        super().__init__(param_groups, spec, policy, scaler, group, device, offload)
         dtype = policy.param_dtype
-        self.param_shard = self.master.flat if dtype == torch.float32 else self.master.flat.to(dtype)
+        #: the compute-dtype shard, where the offload policy puts it (device, host or a file)
+        self.shard = make_param_shard(self.master, self.buckets, self.offload, dtype, device, self.rank)
+        if not self.shard.aliased:
+            self.store.publish = self.shard.publish
         names = {p: n for n, p in module.named_parameters()}
         self.units = [
-            ParamUnit(b, self.param_shard[b.start : b.start + b.numel], group,
+            ParamUnit(b, self.shard.unit_view(b), group,
                       persistent=sum(lay.numel for lay in b.layouts) <= spec.param_persistence_threshold,
-                      name=names.get(b.params[0], "?"))
+                      name=names.get(b.params[0], "?"), device=device, swap=self.shard.swap, dtype=dtype)
             for b in self.buckets
         ]
         for u in self.units:
@@ -111,9 +116,8 @@ class Stage3Optimizer(ZeroOptimizer):
 
     def publish(self) -> None:
         """Refresh the 16-bit shard from the masters and drop stale gathered copies."""
+        self.store.refresh()  # a no-op right after a step: it published each sub-group as it went
         with torch.no_grad():
-            if self.param_shard is not self.master.flat:
-                self.param_shard.copy_(self.master.flat)
             # Anything still gathered (eval forwards, persistent units) is stale now.
             for u in self.units:
                 self.coordinator.live.pop(u, None)
@@ -129,7 +133,7 @@ class Stage3Optimizer(ZeroOptimizer):
         s, e = self.master.ranges[p]
         off = unit.bucket.offsets[i]
         with torch.no_grad():
-            unit.shard[off : off + (e - s)].copy_(p.detach().reshape(-1)[s:e])
+            unit.write_shard(off, p.detach().reshape(-1)[s:e])
 
     def gather_context(self, params: list[torch.nn.Parameter]) -> tuple[Callable[[], None], Callable[[], None]]:
         """``(enter, exit)``: gather and pin the units of ``params``; unpin and release on exit."""
@@ -139,8 +143,16 @@ class Stage3Optimizer(ZeroOptimizer):
     def memory_breakdown(self) -> dict[str, int]:
         """Adds the at-rest parameter shard and the peak of gathered parameters."""
         out = super().memory_breakdown()
-        elem = self.param_shard.element_size()
-        if self.param_shard is not self.master.flat:
-            out["parameter_shard"] = self.param_shard.numel() * elem
-        out["gathered_peak"] = self.coordinator.peak_gathered_numel * elem
+        held = self.shard.bytes_held()
+        if held:
+            out["parameter_shard"] = sum(held.values())
+        out["gathered_peak"] = self.coordinator.peak_gathered_numel * self.policy.param_dtype.itemsize
+        return out
+
+    def memory_placement(self) -> dict[str, dict[str, int]]:
+        """Adds the parameter shard's places."""
+        out = super().memory_placement()
+        held = self.shard.bytes_held()
+        if held:
+            out["parameter_shard"] = held
         return out

@@ -21,6 +21,7 @@ views into the module's parameters and cost nothing extra.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -31,6 +32,8 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm import collectives as C
+from zeroshard.offload import OffloadPolicy
+from zeroshard.offload.factory import make_state_store, optimizer_state_device
 from zeroshard.partition import Bucket, make_buckets
 from zeroshard.precision import LossScaler, PrecisionPolicy
 from zeroshard.stages import host_memory
@@ -68,6 +71,20 @@ class StageSpec:
     param_persistence_threshold: int = 100_000
 
 
+def _place(t: torch.Tensor) -> str:
+    if t.device.type != "cpu":
+        return "device"
+    return "pinned_host" if t.numel() and t.is_pinned() else "host"
+
+
+def _copy_range(target: torch.Tensor, a: int, b: int, values: torch.Tensor) -> None:
+    target[a:b].copy_(values, non_blocking=True)
+
+
+def _in_memory(places: dict[str, int]) -> int:
+    return sum(v for k, v in places.items() if k != "file")
+
+
 class ZeroOptimizer:
     """The optimizer ``initialize`` returns for stages 0–2.
 
@@ -77,9 +94,11 @@ class ZeroOptimizer:
     """
 
     def __init__(self, param_groups: list[dict[str, Any]], spec: StageSpec, policy: PrecisionPolicy,
-                 scaler: LossScaler, group: dist.ProcessGroup | None, device: torch.device) -> None:
+                 scaler: LossScaler, group: dist.ProcessGroup | None, device: torch.device,
+                 offload: OffloadPolicy | None = None) -> None:
         self.spec = spec
         self.policy = policy
+        self.offload = offload if offload is not None else OffloadPolicy()
         self.scaler = scaler
         self.group = group
         self.device = device
@@ -92,11 +111,24 @@ class ZeroOptimizer:
                 p.data = p.data.contiguous()
         self.buckets = self._make_buckets(params)
         layout_world = self.buckets[0].layouts[0].world if self.buckets else 1
-        # fp32 training: the module's parameters are the masters (no copy; stage 3 aliases its shard).
-        alias = policy.param_dtype == torch.float32 and spec.stage < 3
-        self.master = MasterShard(self.buckets, self.rank if layout_world > 1 else 0, device, alias_params=alias)
+        # fp32 training: the module's parameters are the masters when both live in the same memory
+        # (no copy; stage 3 aliases its shard instead).
+        master_device = optimizer_state_device(self.offload, device)
+        alias = policy.param_dtype == torch.float32 and spec.stage < 3 and master_device == device
+        self.master = MasterShard(self.buckets, self.rank if layout_world > 1 else 0, master_device,
+                                  alias_params=alias, swapped=self.offload.optimizer.value == "file")
+        #: where master weights and optimizer state live, and the one way to read or write them
+        self.store = make_state_store(self.master, self.offload, device, self.rank)
+        if self.master.swapped and spec.stage < 3:
+            # The masters are in files between steps: all-gathers publish from a compute-dtype
+            # copy that the store refreshes sub-group by sub-group as it steps.
+            shard = self.master.initial_flat(policy.param_dtype, device)
+            self.master.pack_source = shard
+            self.store.publish = functools.partial(_copy_range, shard)
+        # With optimizer offload the reduced gradient shard accumulates in host memory, next to the
+        # step that reads it (stages 2-3; stage 1 reduces its full accumulator on the device).
         self.sync = _SYNC_FOR_STAGE[min(spec.stage, 2)](self._sync_buckets(), group, policy, device,
-                                                        spec.overlap_comm)
+                                                        spec.overlap_comm, acc_device=master_device)
         for p in params:
             p._zeroshard_owner = self  # type: ignore[attr-defined]  # found by GatheredParameters
         self._group_options = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
@@ -132,6 +164,7 @@ class ZeroOptimizer:
     def bind(self, make_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer]) -> None:
         """Create the torch optimizer over the master views."""
         self.optimizer = make_optimizer(self.master_param_groups())
+        self.store.bind(self.optimizer)
 
     def adopt(self, client: torch.optim.Optimizer) -> None:
         """Re-point a client optimizer, built over the module's parameters, at the master views."""
@@ -140,6 +173,7 @@ class ZeroOptimizer:
         for g in client.param_groups:
             g["params"] = [self.master.views[p] for p in g["params"]]
         self.optimizer = client
+        self.store.bind(client)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -189,9 +223,7 @@ class ZeroOptimizer:
             if coef < 1.0:
                 torch._foreach_mul_(g32, coef)
         unused = {self.master.views[p] for p in self.sync.unused_params()}
-        self.master.attach_grads(g32, skip=unused)
-        self._inner.step()
-        self.master.detach_grads()
+        self.store.step(g32, skip=unused)
         self.sync.zero()
         self.publish()
         host_memory.trim(self.device, training=True)
@@ -215,13 +247,14 @@ class ZeroOptimizer:
 
     def _global_norm(self, g32: list[torch.Tensor]) -> float:
         local = torch.nn.utils.get_total_norm(g32, norm_type=2.0) if g32 else torch.zeros(())
-        sq = local.to(torch.float32).square().reshape(1)
+        sq = local.to(torch.float32).square().reshape(1).to(self.device)  # NCCL reduces device tensors
         if self.sharded:
             C.all_reduce(sq, self.group, async_op=False)
         return float(sq.sqrt().item())
 
     def publish(self) -> None:
         """Make the module's parameters reflect the (updated or loaded) master weights."""
+        self.store.refresh()
         with torch.no_grad():
             if self.sharded:
                 self.master.all_gather_to_params(self.group, self.spec.allgather_bucket_size,
@@ -232,8 +265,7 @@ class ZeroOptimizer:
     def write_back(self, p: torch.nn.Parameter) -> None:
         """Make the module's (full) value of ``p`` the new master value of this rank's chunk."""
         s, e = self.master.ranges[p]
-        with torch.no_grad():
-            self.master.views[p].copy_(p.detach().reshape(-1)[s:e])
+        self.store.write_master(self.master.views[p], p.detach().reshape(-1)[s:e])
 
     def gather_context(self, params: list[torch.nn.Parameter]) -> tuple[Callable[[], None], Callable[[], None]]:
         """``(enter, exit)`` callables making ``params`` readable; stages 0–2 hold them whole already."""
@@ -243,16 +275,22 @@ class ZeroOptimizer:
         """Drop accumulated gradients (DeepSpeed compatibility; the engine zeroes after each step)."""
         self.sync.zero()
 
+    def memory_placement(self) -> dict[str, dict[str, int]]:
+        """Bytes of each kind of state by where they live (``device``, ``host``, ``pinned_host``,
+        ``file``): ``{"master_weights": {"host": n}, ...}``."""
+        out = self.store.bytes_held()
+        grads = self.sync.acc if hasattr(self.sync, "acc") else None
+        if grads is not None:
+            out["gradients"] = {_place(grads): self.sync.bytes_held()}
+        return out
+
     def memory_breakdown(self) -> dict[str, int]:
-        """Bytes this rank holds for gradients, master weights and optimizer state."""
-        opt_bytes = 0
-        for st in self._inner.state.values():
-            for v in st.values():
-                if isinstance(v, torch.Tensor):
-                    opt_bytes += v.numel() * v.element_size()
+        """Bytes this rank holds in memory (device and host) for gradients, master weights and
+        optimizer state; :meth:`memory_placement` says where, swap files included."""
+        held = self.store.bytes_held()
         return {
             "gradients": self.sync.bytes_held(),
-            "master_weights": self.master.bytes_held(),
-            "optimizer_states": opt_bytes,
+            "master_weights": _in_memory(held["master_weights"]),
+            "optimizer_states": _in_memory(held["optimizer_states"]),
             "comm_workspace": self.sync.workspace_bytes() + self.master.workspace_bytes(),
         }

@@ -96,7 +96,7 @@ def _require(param: torch.nn.Parameter, what: str) -> _Fragment:
 
 
 def _state(frag: _Fragment, key: str) -> torch.Tensor:
-    state = frag.owner.state.get(frag.master, {})
+    state = frag.owner.store.state(frag.master)  # in memory or read from a swap file
     if key not in state:
         raise KeyError(f"optimizer state {key!r} does not exist for this parameter (keys: {sorted(state)})")
     value: torch.Tensor = state[key]
@@ -107,13 +107,13 @@ def _state(frag: _Fragment, key: str) -> torch.Tensor:
 def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor | None:
     """The full fp32 master value of ``param`` (collective)."""
     frag = _fragment(param)
-    return None if frag is None else frag.gather(frag.master.detach())
+    return None if frag is None else frag.gather(frag.owner.store.master_values(frag.master))
 
 
 def safe_get_local_fp32_param(param: torch.nn.Parameter) -> torch.Tensor | None:
     """This rank's chunk of the fp32 master (flat)."""
     frag = _fragment(param)
-    return None if frag is None else frag.master.detach()
+    return None if frag is None else frag.owner.store.master_values(frag.master)
 
 
 def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
@@ -121,20 +121,19 @@ def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> 
     module's copy of it (stage 3: this rank's shard, and the gathered copy if gathered now)."""
     frag = _require(param, "safe_set_full_fp32_param")
     with torch.no_grad():
-        frag.master.copy_(frag.mine(value))
+        frag.owner.store.write_master(frag.master, frag.mine(value))
         if param.numel() == frag.layout.numel:  # whole here (stages 0-2, or a gathered ZeRO-3 unit)
             param.data.copy_(value.detach().view_as(param))
         unit = getattr(param, "_zeroshard_unit", None)
         if unit is not None:  # ZeRO-3: the compute-dtype shard gathers read
             off = unit.bucket.offsets[next(i for i, q in enumerate(unit.params) if q is param)]
-            unit.shard[off : off + (frag.end - frag.start)].copy_(frag.mine(value))
+            unit.write_shard(off, frag.mine(value))
 
 
 def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """Set this rank's chunk of the fp32 master (flat ``value``); the module sees it after the next step."""
     frag = _require(param, "safe_set_local_fp32_param")
-    with torch.no_grad():
-        frag.master.copy_(value.detach().reshape(-1))
+    frag.owner.store.write_master(frag.master, value.detach().reshape(-1))
 
 
 # -- gradients --------------------------------------------------------------------------------------
@@ -194,12 +193,12 @@ def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: s
 def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
     """Set the optimizer state ``optim_state_key`` of ``param`` from the full ``value``."""
     frag = _require(param, "safe_set_full_optimizer_state")
-    with torch.no_grad():
-        _state(frag, optim_state_key).copy_(frag.mine(value))
+    _state(frag, optim_state_key)  # exists, or a KeyError naming the keys
+    frag.owner.store.write_state(frag.master, optim_state_key, frag.mine(value))
 
 
 def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
     """Set this rank's chunk of the optimizer state ``optim_state_key`` (flat ``value``)."""
     frag = _require(param, "safe_set_local_optimizer_state")
-    with torch.no_grad():
-        _state(frag, optim_state_key).copy_(value.detach().reshape(-1))
+    _state(frag, optim_state_key)
+    frag.owner.store.write_state(frag.master, optim_state_key, value.detach().reshape(-1))

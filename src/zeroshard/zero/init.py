@@ -9,6 +9,7 @@ the whole model; other stages gather the chunks back into full parameters.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from types import TracebackType
 from typing import Any
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from zeroshard.comm import collectives as C
-from zeroshard.errors import NotYetSupportedError
+from zeroshard.errors import ConfigError
 from zeroshard.partition import INIT_CHUNK_ATTR as SHARD_ATTR
 from zeroshard.partition import SHAPE_ATTR, ShardLayout, full_shape
 from zeroshard.zero.lazy_shard import InitSession, LazyShardTensor, ShardCore
@@ -33,8 +34,10 @@ class Init:
     Args:
         module: accepted for DeepSpeed compatibility (an already-built module is not re-partitioned).
         data_parallel_group: the group to partition over (default: the world).
-        remote_device: ``None`` or ``"cpu"``... only ``None`` (the current device) for now.
-        pin_memory: accepted; meaningful with offload, which is not supported yet.
+        remote_device: ``None``/``"cuda"`` (chunks where the module is built), ``"cpu"`` or
+            ``"nvme"`` (chunks in host memory; ``initialize`` then moves them where the config's
+            ``offload_param`` says, into the swap file for ``nvme``).
+        pin_memory: accepted (pinning is decided by the config's ``offload_param.pin_memory``).
         config_dict_or_path: the training config; its ZeRO stage must be 3 when given.
         enabled: ``False`` builds the model normally.
         dtype: dtype of the parameters' chunks (default: as constructed).
@@ -44,9 +47,12 @@ class Init:
                  remote_device: str | None = None, pin_memory: bool = False, config_dict_or_path: Any = None,
                  config: Any = None, enabled: bool = True, dtype: torch.dtype | None = None,
                  **deepspeed_only: Any) -> None:
-        if remote_device not in (None, "cuda", "cpu") or (remote_device == "cpu" and torch.cuda.is_available()):
-            raise NotYetSupportedError(f"zero.Init(remote_device={remote_device!r}): offload of parameters is "
-                                       "not supported yet", key="remote_device")
+        if remote_device not in (None, "cuda", "cpu", "nvme"):
+            raise ConfigError(f"zero.Init(remote_device={remote_device!r}): expected None, 'cuda', 'cpu' or "
+                              "'nvme'", key="remote_device")
+        #: "cpu"/"nvme": chunks are kept in host memory until ``initialize`` places them by the
+        #: config's offload_param (in the swap file for nvme)
+        self.remote = remote_device in ("cpu", "nvme")
         self.enabled = enabled
         self.group = data_parallel_group
         self.dtype = dtype
@@ -72,6 +78,8 @@ class Init:
             return None
         assert self._session is not None
         data = param.detach()
+        if self.remote and data.device.type != "cpu":
+            data = data.to("cpu")
         if self.dtype is not None and data.is_floating_point():
             data = data.to(self.dtype)
         core = ShardCore(data, self._session)
@@ -97,12 +105,26 @@ class Init:
                                           requires_grad=lazy.requires_grad)
                 setattr(real, SHARD_ATTR, core.chunk)
                 setattr(real, SHAPE_ATTR, core.shape)
+                _tag_deepspeed(real, core.shape)
                 converted[id(lazy.core)] = real
             module._parameters[name] = converted[id(lazy.core)]
         n = sum(int(torch.Size(getattr(p, SHAPE_ATTR)).numel()) for p in converted.values())
         self.peak_bytes = self._session.peak_bytes
         logger.info("zero.Init: %d parameters (%d elements) partitioned over %d ranks",
                     len(converted), n, self._session.world)
+
+
+#: DeepSpeed's attributes of a partitioned parameter, which Hugging Face code reads (``ds_numel`` in the
+#: Trainer's parameter count, ``hasattr(p, "ds_id")`` as a ZeRO-3 test).
+_DS_ATTRS = ("ds_id", "ds_numel", "ds_shape")
+#: ``ds_id`` is unique over the process, as DeepSpeed's (code keys tied weights by it): one counter for all blocks.
+_ds_ids = itertools.count()
+
+
+def _tag_deepspeed(p: torch.nn.Parameter, shape: torch.Size) -> None:
+    p.ds_id = next(_ds_ids)  # type: ignore[attr-defined]
+    p.ds_shape = torch.Size(shape)  # type: ignore[attr-defined]
+    p.ds_numel = int(torch.Size(shape).numel())  # type: ignore[attr-defined]
 
 
 def _gather_chunk(p: torch.nn.Parameter, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -125,6 +147,9 @@ def materialize_init_params(model: torch.nn.Module, group: dist.ProcessGroup | N
         p.data = _gather_chunk(p, group)
         delattr(p, SHARD_ATTR)
         delattr(p, SHAPE_ATTR)
+        for attr in _DS_ATTRS:  # whole again: code that tests hasattr(p, "ds_id") must see a plain parameter
+            if hasattr(p, attr):
+                delattr(p, attr)
 
 
 class InitPartitioned:

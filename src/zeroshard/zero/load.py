@@ -89,7 +89,7 @@ def _load_one(p: torch.nn.Parameter, name: str, read: Reader, rank: int, world: 
         chunk.copy_(read(name, s, e))
     elif owner is not None:  # owned by an engine: its master chunk is the truth
         s, e = owner.master.ranges[p]
-        owner.master.views[p].copy_(read(name, s, e))
+        owner.store.write_master(owner.master.views[p], read(name, s, e))
         owners[id(owner)] = owner
     else:
         p.data.copy_(read(name, 0, numel).view_as(p))

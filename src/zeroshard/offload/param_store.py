@@ -1,0 +1,181 @@
+"""Where ZeRO-3's compute-dtype parameter shard lives: device memory, host memory or a file.
+
+Stage 3 keeps each rank's chunk of every unit in a flat shard with the master layout (see
+:mod:`zeroshard.stages.stage3`). :func:`make_param_shard` places it by the offload policy:
+
+- ``offload_param: none``: on the training device; with fp32 compute and masters on the device
+  it *is* the master buffer (no copy).
+- ``offload_param: cpu``: in host memory (pinned with an accelerator); each unit's chunk is copied
+  to the device inside its all-gather, which the coordinator prefetches. With fp32 compute and
+  host masters (``offload_optimizer: cpu``) it is the master buffer.
+- ``offload_param: nvme``: in a swap file, one aligned region per unit, read into a pooled host
+  buffer when the unit is gathered (the read starts when the prefetch does).
+
+After each optimizer sub-group the state store publishes the updated masters here (a cast copy,
+or unit-by-unit writes to the file).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zeroshard.errors import ConfigError
+from zeroshard.offload.aio import AsyncIO, IOHandle, SwapFile, check_free_space, round_up, swap_dir
+from zeroshard.offload.buffers import BufferPool
+from zeroshard.offload.policy import OffloadPolicy, Residency, host_device, should_pin
+from zeroshard.partition import Bucket
+
+__all__ = ["ParamShard", "ParamSwapFile", "PendingRead", "make_param_shard"]
+
+
+class PendingRead:
+    """A unit's chunk being read from the swap file into a pooled buffer."""
+
+    def __init__(self, handle: IOHandle, buf: torch.Tensor, numel: int, pool: BufferPool) -> None:
+        self._handle, self._buf, self._numel, self._pool = handle, buf, numel, pool
+
+    def wait(self) -> torch.Tensor:
+        """The chunk (a view of the buffer, valid until :meth:`release`)."""
+        self._handle.wait()
+        return self._buf[: self._numel]
+
+    def release(self) -> None:
+        """Return the buffer to the pool."""
+        self._pool.release(self._buf)
+
+
+class ParamSwapFile:
+    """The rank's parameter shard in one swap file, each unit at an aligned offset."""
+
+    def __init__(self, buckets: list[Bucket], dtype: torch.dtype, policy: OffloadPolicy, rank: int,
+                 pin: bool) -> None:
+        assert policy.param_nvme_path is not None
+        self.dtype = dtype
+        self.offsets: dict[int, int] = {}
+        pos = 0
+        for b in buckets:
+            self.offsets[b.index] = pos
+            pos = round_up(pos + b.numel * dtype.itemsize)
+        largest = max((b.numel for b in buckets), default=0)
+        if largest > policy.param_buffer_size:
+            raise ConfigError(f"a ZeRO-3 unit has {largest:,} elements, more than the parameter swap buffers "
+                              f"hold ({policy.param_buffer_size:,}); raise buffer_size to at least {largest}",
+                              key="zero_optimization.offload_param.buffer_size")
+        check_free_space(policy.param_nvme_path, pos, "zero_optimization.offload_param.nvme_path")
+        self.directory = swap_dir(policy.param_nvme_path, rank)
+        self.file = SwapFile(self.directory / "params.swp", max(pos, 4096))
+        a = policy.aio
+        self.io = AsyncIO(a.block_size, a.queue_depth, a.threads)
+        self.numel = {b.index: b.numel for b in buckets}
+        self.pool = BufferPool(policy.param_buffer_count, max(largest, 1), dtype, pin)
+        self.step: int | None = None  # the engine's step, for error messages
+
+    def read(self, index: int) -> PendingRead:
+        """Start reading unit ``index``'s chunk."""
+        buf = self.pool.acquire()
+        n = self.numel[index]
+        handle = self.io.read(self.file, self.offsets[index], buf[:n], what=self._what(index))
+        return PendingRead(handle, buf, n, self.pool)
+
+    def write(self, index: int, values: torch.Tensor) -> None:
+        """Overwrite unit ``index``'s chunk (``values``: its ``bucket.numel`` elements, any dtype
+        and device; cast on the way)."""
+        buf = self.pool.acquire()
+        n = self.numel[index]
+        try:
+            buf[:n].copy_(values)
+            self.io.write(self.file, self.offsets[index], buf[:n], what=self._what(index)).wait()
+        finally:
+            self.pool.release(buf)
+
+    def _what(self, index: int) -> str:
+        return f"ZeRO-3 parameter shard of unit {index}" + (f", step {self.step}" if self.step is not None else "")
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of the swap file."""
+        return self.file.nbytes
+
+    def close(self) -> None:
+        """Stop the I/O threads and remove the swap file."""
+        self.io.close()
+        self.file.close(remove=True)
+
+
+class ParamShard:
+    """The compute-dtype parameter shard: a flat tensor in memory, or a swap file."""
+
+    def __init__(self, buckets: list[Bucket], flat: torch.Tensor | None, swap: ParamSwapFile | None,
+                 aliased: bool) -> None:
+        self.buckets = buckets
+        self.flat = flat
+        self.swap = swap
+        #: the shard is the master buffer itself: nothing to publish after a step
+        self.aliased = aliased
+
+    def unit_view(self, b: Bucket) -> torch.Tensor | None:
+        """Unit ``b``'s chunk in memory (``None`` when it lives in the file)."""
+        return None if self.flat is None else self.flat[b.start : b.start + b.numel]
+
+    def publish(self, start: int, end: int, values: torch.Tensor) -> None:
+        """Take the updated fp32 masters of the flat range ``[start, end)`` (whole units)."""
+        if self.flat is not None:
+            self.flat[start:end].copy_(values, non_blocking=True)
+            return
+        assert self.swap is not None
+        for b in self.buckets:
+            if start <= b.start < end:
+                self.swap.write(b.index, values[b.start - start : b.start - start + b.numel])
+
+    def bytes_held(self) -> dict[str, int]:
+        """Bytes by place (``device``, ``host``, ``pinned_host``, ``file``); 0 when aliased."""
+        if self.aliased:
+            return {}
+        if self.swap is not None:
+            buffers = "pinned_host" if self.swap.pool.pin else "host"
+            return {"file": self.swap.file_bytes, buffers: self.swap.pool.nbytes}
+        assert self.flat is not None
+        place = "device" if self.flat.device.type != "cpu" else ("pinned_host" if self.flat.is_pinned() else "host")
+        return {place: self.flat.numel() * self.flat.element_size()}
+
+    def close(self) -> None:
+        """Remove the swap file, if any."""
+        if self.swap is not None:
+            self.swap.close()
+
+
+def make_param_shard(master: Any, buckets: list[Bucket], policy: OffloadPolicy, dtype: torch.dtype,
+                     device: torch.device, rank: int) -> ParamShard:
+    """Place the parameter shard of ``buckets`` (the master layout) by ``policy.params``."""
+    res = policy.params
+    where = device if res is Residency.DEVICE else host_device()
+    pin = should_pin(policy.param_pin_memory, device)
+    if res is not Residency.FILE and dtype == torch.float32 and not master.swapped and master.flat.device == where:
+        return ParamShard(buckets, master.flat, None, aliased=True)
+    initial = master.flat if not master.swapped else None
+    if res is Residency.FILE:
+        swap = ParamSwapFile(buckets, dtype, policy, rank, pin)
+        shard = ParamShard(buckets, None, swap, aliased=False)
+        for b in buckets:
+            lo = b.start
+            values = initial[lo : lo + b.numel] if initial is not None else _initial_row(master, b)
+            swap.write(b.index, values)
+        return shard
+    flat = torch.empty(master.numel, dtype=dtype, device=where, pin_memory=pin and where.type == "cpu")
+    if initial is not None:
+        flat.copy_(initial)
+    else:
+        for b in buckets:
+            flat[b.start : b.start + b.numel].copy_(_initial_row(master, b))
+    return ParamShard(buckets, flat, None, aliased=False)
+
+
+def _initial_row(master: Any, b: Bucket) -> torch.Tensor:
+    """Bucket ``b``'s row of initial fp32 values (padding zero), from the parameters themselves."""
+    row = torch.zeros(b.numel, dtype=torch.float32)
+    for p, off in zip(b.params, b.offsets):
+        v = master.initial_values(p)
+        row[off : off + v.numel()].copy_(v)
+    return row

@@ -1,0 +1,344 @@
+"""NVMe optimizer offload (ZeRO-Infinity): master weights and optimizer state in swap files.
+
+Design note
+-----------
+Files: one per kind of per-element state, under a fresh per-rank directory in ``nvme_path``:
+``master.swp`` (the fp32 masters, unless they share memory with the module's parameters) and one
+file per optimizer state key (``exp_avg.swp``, ``exp_avg_sq.swp``...), created when the
+optimizer first makes that state. All files share one geometry: sub-group ``k`` (see
+:func:`~zeroshard.offload.state_store.make_subgroups`) is at an aligned byte offset and holds the
+sub-group's flat range of the master layout, padding included.
+
+Buffers: ``slots`` sub-group buffers (``buffer_count``, at most the number of sub-groups), each
+one aligned host tensor per file (page-locked with an accelerator), sized for the largest
+sub-group. Host memory for the state is therefore ``slots × sub-group × (1 + keys) × 4`` bytes,
+whatever the model size: ``sub_group_size`` is the knob.
+
+The step is a pipeline over sub-groups: while sub-group ``k`` is stepped, ``k+1`` (and further,
+with more slots) is being read and ``k-1`` written. For the step, each master's ``.data`` and each
+per-element state entry (``optimizer.state[master]["exp_avg"]``...) are pointed at the slot;
+afterwards the masters go back to ``meta`` placeholders and the entries are removed, so that the
+torch optimizer between steps holds only scalars (``step``). State the optimizer created during
+the step (the first step) is copied into the slot before it is written. Errors of the I/O engine
+name the file, the sub-group and the step.
+
+Random access for checkpoints and ``safe_get_*`` (one parameter at a time) reads and writes the
+aligned byte range around the parameter's elements, so nothing larger than one parameter is held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+import torch
+
+from zeroshard.errors import ConfigError
+from zeroshard.offload.aio import AsyncIO, IOHandle, SwapFile, aligned_empty, check_free_space, round_up, swap_dir
+from zeroshard.offload.policy import OffloadPolicy, Residency, should_pin
+from zeroshard.offload.state_store import StateStore, SubGroup
+from zeroshard.stages.master import swapped_placeholder
+
+__all__ = ["SwappedStateStore"]
+
+MASTER = "master"
+_KEY = "zero_optimization.offload_optimizer.nvme_path"
+#: per-element optimizer states assumed when checking free disk space up front (Adam's two)
+_EXPECTED_KEYS = 2
+
+
+def _per_element(v: Any, numel: int) -> bool:
+    """A state entry with one value per element of its master (``step`` is a 0-d scalar)."""
+    return isinstance(v, torch.Tensor) and v.dim() >= 1 and v.numel() == numel
+
+
+class _Slot:
+    """One sub-group buffer: a tensor per file, and the writes still reading from it."""
+
+    def __init__(self, numel: int, pin: bool) -> None:
+        self.numel = numel
+        self.pin = pin
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.writes: list[IOHandle] = []
+        self.sg: SubGroup | None = None
+
+    def tensor(self, kind: str) -> torch.Tensor:
+        t = self.tensors.get(kind)
+        if t is None:
+            t = self.tensors[kind] = aligned_empty(self.numel, torch.float32, pin=self.pin)
+        return t
+
+    def drain(self) -> None:
+        writes, self.writes = self.writes, []
+        for h in writes:
+            h.wait()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+class SwappedStateStore(StateStore):
+    """Masters (unless aliased) and per-element optimizer state in swap files; see the module doc."""
+
+    def __init__(self, master: Any, policy: OffloadPolicy, device: torch.device, rank: int) -> None:
+        super().__init__(master, Residency.FILE, policy.sub_group_size)
+        assert policy.optimizer_nvme_path is not None
+        self.swap_masters = bool(master.swapped)
+        self.offsets: dict[int, int] = {}
+        pos = 0
+        for sg in self.subgroups:
+            self.offsets[sg.index] = pos
+            pos = round_up(pos + sg.numel * 4)
+        self.file_bytes = max(pos, 4096)
+        self.nvme_path = policy.optimizer_nvme_path
+        files = (1 if self.swap_masters else 0) + _EXPECTED_KEYS
+        check_free_space(self.nvme_path, files * self.file_bytes, _KEY)
+        self.directory = swap_dir(self.nvme_path, rank)
+        a = policy.aio
+        self.io = AsyncIO(a.block_size, a.queue_depth, a.threads)
+        self.files: dict[str, SwapFile] = {}
+        #: per-element optimizer state keys, in the order first seen
+        self.keys: list[str] = []
+        largest = max((sg.numel for sg in self.subgroups), default=1)
+        pin = should_pin(policy.pin_memory, device)
+        self.slots = [_Slot(largest, pin) for _ in range(max(1, min(policy.buffer_count, len(self.subgroups))))]
+        self.steps = 0
+        if self.swap_masters:
+            self._create(MASTER)
+            self._write_initial_masters()
+
+    # -- files -------------------------------------------------------------------------------------
+    def _create(self, kind: str) -> SwapFile:
+        if kind != MASTER:
+            check_free_space(self.nvme_path, self.file_bytes, _KEY)
+        f = self.files[kind] = SwapFile(self.directory / f"{kind}.swp", self.file_bytes)
+        return f
+
+    def _what(self, kind: str, sg: SubGroup) -> str:
+        name = "master weights" if kind == MASTER else f"optimizer state {kind!r}"
+        return f"{name}, sub-group {sg.index} of {len(self.subgroups)}, optimizer step {self.steps}"
+
+    def _write_initial_masters(self) -> None:
+        slot = self.slots[0]
+        buf = slot.tensor(MASTER)
+        param_of = {id(v): p for p, v in self.master.views.items()}
+        for sg in self.subgroups:
+            row = buf[: sg.numel]
+            row.zero_()
+            for m, b, off, n in sg.slices:
+                p = param_of[id(m)]
+                a = self._local(sg, b, off)
+                row[a : a + n].copy_(self.master.initial_values(p))
+            self.io.write(self.files[MASTER], self.offsets[sg.index], row, what=self._what(MASTER, sg)).wait()
+
+    # -- the step ------------------------------------------------------------------------------------
+    def _kinds(self) -> list[str]:
+        return ([MASTER] if self.swap_masters else []) + self.keys
+
+    def _start_read(self, sg: SubGroup, slot: _Slot) -> list[IOHandle]:
+        slot.drain()  # its last writes must be done before the buffer is refilled
+        slot.sg = sg
+        return [self.io.read(self.files[k], self.offsets[sg.index], slot.tensor(k)[: sg.numel], what=self._what(k, sg))
+                for k in self._kinds()]
+
+    def step(self, grads: list[torch.Tensor], skip: Collection[torch.nn.Parameter] = ()) -> None:
+        """The pipelined step over sub-groups: read ahead, step, write behind."""
+        self.steps += 1
+        n = len(self.subgroups)
+        reads: dict[int, list[IOHandle]] = {}
+        ahead = 0
+        # With 3 or more slots one is left to the previous sub-group's writes, so they overlap
+        # the step instead of delaying the next read.
+        lookahead = max(1, len(self.slots) - 2)
+        for i, sg in enumerate(self.subgroups):
+            while ahead < n and ahead <= i + lookahead:
+                reads[ahead] = self._start_read(self.subgroups[ahead], self.slots[ahead % len(self.slots)])
+                ahead += 1
+            slot = self.slots[i % len(self.slots)]
+            for h in reads.pop(i):
+                h.wait()
+            self._bind(sg, slot)
+            try:
+                self.master.attach_grads(grads, skip=skip, slices=sg.slices)
+                try:
+                    self._opt.step()
+                finally:
+                    self.master.detach_grads(sg.slices)
+                self._adopt_new_state(sg, slot)
+                if self.publish is not None:
+                    masters = slot.tensor(MASTER)[: sg.numel] if self.swap_masters else \
+                        self.master.flat[sg.start : sg.end]
+                    self.publish(sg.start, sg.end, masters)
+            finally:
+                self._unbind(sg)
+            slot.writes = [self.io.write(self.files[k], self.offsets[sg.index], slot.tensor(k)[: sg.numel],
+                                         what=self._what(k, sg)) for k in self._kinds()]
+        for slot in self.slots:
+            slot.drain()  # a write error surfaces in this step, naming the file and sub-group
+        self.published = True
+
+    def _local(self, sg: SubGroup, b: int, off: int) -> int:
+        return self.master.buckets[b].start + off - sg.start
+
+    def _bind(self, sg: SubGroup, slot: _Slot) -> None:
+        state = self._opt.state
+        for m, b, off, n in sg.slices:
+            a = self._local(sg, b, off)
+            if self.swap_masters:
+                m.data = slot.tensor(MASTER)[a : a + n]
+            if state.get(m):
+                for k in self.keys:
+                    state[m][k] = slot.tensor(k)[a : a + n]
+
+    def _adopt_new_state(self, sg: SubGroup, slot: _Slot) -> None:
+        """Copy state the optimizer created in this step (its first) into the slot."""
+        state = self._opt.state
+        for m, b, off, n in sg.slices:
+            a = self._local(sg, b, off)
+            for k, v in list(state.get(m, {}).items()):
+                if not _per_element(v, n):
+                    continue
+                if k not in self.keys:
+                    self._new_key(k, v)
+                target = slot.tensor(k)[a : a + n]
+                if v.data_ptr() != target.data_ptr():
+                    target.copy_(v)
+
+    def _new_key(self, key: str, value: torch.Tensor) -> None:
+        if value.dtype != torch.float32:
+            raise ConfigError(f"NVMe optimizer offload keeps optimizer state in fp32; the optimizer made {key!r} "
+                              f"in {value.dtype}", key="zero_optimization.offload_optimizer.device")
+        self.keys.append(key)
+        self._create(key)
+        # Regions of sub-groups stepped before this key existed (no state yet) are never read for
+        # masters without state; the file's zeros are fine.
+
+    def _unbind(self, sg: SubGroup) -> None:
+        state = self._opt.state
+        for m, *_ in sg.slices:
+            if self.swap_masters:
+                m.data = swapped_placeholder(m.numel())
+            st = state.get(m)
+            if st:
+                for k in self.keys:
+                    st.pop(k, None)
+
+    def refresh(self) -> None:
+        """Publish every sub-group's masters from the file (after writes through the accessor)."""
+        if self.publish is None or self.published or not self.swap_masters:
+            return
+        slot = self.slots[0]
+        for sg in self.subgroups:
+            slot.drain()
+            row = slot.tensor(MASTER)[: sg.numel]
+            self.io.read(self.files[MASTER], self.offsets[sg.index], row, what=self._what(MASTER, sg)).wait()
+            self.publish(sg.start, sg.end, row)
+        self.published = True
+
+    # -- random access, one parameter at a time ---------------------------------------------------------
+    def _where(self, m: torch.nn.Parameter) -> tuple[SubGroup, int, int]:
+        for sg in self.subgroups:
+            for mm, b, off, n in sg.slices:
+                if mm is m:
+                    return sg, self._local(sg, b, off), n
+        raise KeyError("not a master of this store")
+
+    def _read_elems(self, kind: str, m: torch.nn.Parameter) -> torch.Tensor:
+        sg, a, n = self._where(m)
+        lo = self.offsets[sg.index] + a * 4
+        base = lo - lo % 4096
+        buf = aligned_empty(round_up(lo + n * 4 - base) // 4, torch.float32)
+        self.io.read(self.files[kind], base, buf, what=self._what(kind, sg)).wait()
+        start = (lo - base) // 4
+        return buf[start : start + n].clone()
+
+    def _write_elems(self, kind: str, m: torch.nn.Parameter, values: torch.Tensor) -> None:
+        sg, a, n = self._where(m)
+        lo = self.offsets[sg.index] + a * 4
+        base = lo - lo % 4096
+        buf = aligned_empty(round_up(lo + n * 4 - base) // 4, torch.float32)
+        f = self.files[kind]
+        self.io.read(f, base, buf, what=self._what(kind, sg)).wait()
+        start = (lo - base) // 4
+        buf[start : start + n].copy_(values.reshape(-1))
+        self.io.write(f, base, buf, what=self._what(kind, sg)).wait()
+
+    def master_values(self, master: torch.nn.Parameter) -> torch.Tensor:
+        """The fp32 values of one master (read from the file when swapped)."""
+        return self._read_elems(MASTER, master) if self.swap_masters else master.detach()
+
+    def write_master(self, master: torch.nn.Parameter, values: torch.Tensor) -> None:
+        """Overwrite one master's values (in its file when swapped)."""
+        if not self.swap_masters:
+            super().write_master(master, values)
+            return
+        self._write_elems(MASTER, master, values)
+        self.published = False
+
+    def state(self, master: torch.nn.Parameter) -> dict[str, Any]:
+        """One master's optimizer state: scalars from memory, per-element entries read from files."""
+        st = dict(self._opt.state.get(master, {}))
+        if st:
+            for k in self.keys:
+                st[k] = self._read_elems(k, master).view(master.shape)
+        return st
+
+    def state_meta(self, master: torch.nn.Parameter) -> dict[str, Any]:
+        """Like :meth:`state`, with ``meta`` tensors for the per-element entries (nothing read)."""
+        st = dict(self._opt.state.get(master, {}))
+        if st:
+            for k in self.keys:
+                st[k] = torch.empty(master.shape, dtype=torch.float32, device="meta")
+        return st
+
+    def write_state(self, master: torch.nn.Parameter, key: str, values: torch.Tensor) -> None:
+        """Overwrite (or create, when loading a checkpoint) one state entry of one master."""
+        if _per_element(values, master.numel()) or key in self.keys:
+            if key not in self.keys:
+                self._new_key(key, values.float())
+            self._write_elems(key, master, values.float())
+            return
+        super().write_state(master, key, values)
+
+    def load_states(self, states: dict[int, dict[str, Any]], param_groups: list[dict[str, Any]]) -> None:
+        """Replace the optimizer state (per-element entries go to the files)."""
+        masters = [m for g in self._opt.param_groups for m in g["params"]]
+        scalars: dict[int, dict[str, Any]] = {}
+        for i, st in states.items():
+            m = masters[i]
+            keep = {}
+            for k, v in st.items():
+                if _per_element(v, m.numel()):
+                    self.write_state(m, k, v)
+                else:
+                    keep[k] = v
+            scalars[i] = keep
+        super().load_states(scalars, param_groups)
+
+    def bytes_held(self) -> dict[str, dict[str, int]]:
+        """Masters and optimizer state by place: the files, the sub-group buffers, the scalars."""
+        place = "pinned_host" if self.slots and self.slots[0].pin else "host"
+        buffers = sum(s.nbytes for s in self.slots)
+        scalars = sum(v.numel() * v.element_size() for st in self._opt.state.values() for v in st.values()
+                      if isinstance(v, torch.Tensor) and v.device.type != "meta") if self.optimizer else 0
+        out: dict[str, dict[str, int]] = {
+            "optimizer_states": {"file": self.file_bytes * len(self.keys), place: buffers, "host": scalars},
+        }
+        if self.swap_masters:
+            out["master_weights"] = {"file": self.file_bytes}
+        else:
+            out["master_weights"] = super().bytes_held()["master_weights"] if self.optimizer else {}
+        return out
+
+    def close(self) -> None:
+        """Wait for pending writes, stop the I/O threads and remove the swap files."""
+        for slot in self.slots:
+            try:
+                slot.drain()
+            except OSError:
+                pass  # closing after a failed step: the error was raised there
+        self.io.close()
+        for f in self.files.values():
+            f.close(remove=True)
+        self.files.clear()
