@@ -56,9 +56,11 @@ ENGINE_DISTINCTIVE = re.compile(r"checkpoint|zero|16bit|grad_norm|accumulation_b
 NOTES = [
     "## Notes (by hand)",
     "",
-    "- Status says what resolves, not what was run: the Trainer / accelerate path is not yet tested end to end.",
+    "- Status says what resolves; what runs is tested in `tests/hf` (the Trainer at stages 0-3, ZeRO-3",
+    "  `from_pretrained`, accelerate's loop at stages 2 and 3, export), with the versions pinned in the `hf` extra.",
     "- accelerate's multi-node DeepSpeed launch runs the `deepspeed` executable (`accelerate/utils/launch.py`);",
-    "  the layer has none. Run `zeroshard launch -m zeroshard.compat.deepspeed [--shadow] train.py ...` instead.",
+    "  the layer has none. Run `zeroshard launch --as-deepspeed train.py ...` (`--shadow-deepspeed` to hide an",
+    "  installed DeepSpeed) instead.",
     "- transformers' `prevent_arange_dtype_change` reads `partition_parameters.zero_wrapper_for_fp_tensor_constructor`",
     "  and restores it around `zero.Init`; zeroshard's `zero.Init` wraps no tensor constructor, so the",
     "  placeholders are read and written back, never called.",

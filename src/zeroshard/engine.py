@@ -88,7 +88,10 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
         return int(self.optimizer.spec.stage)
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether the current micro-step ends an accumulation window (the next ``step`` updates)."""
+        """Whether the current micro-step ends an accumulation window (the next ``step`` updates): the
+        value of :meth:`set_gradient_accumulation_boundary` once called, else the micro-step count."""
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def get_lr(self) -> list[float]:
@@ -213,9 +216,13 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
             raise RuntimeError("engine.step() inside no_sync() is illegal (as in DeepSpeed): leave the block first")
         self._step_applied = False
         boundary = self.is_gradient_accumulation_boundary()
-        self.micro_steps += 1
         if not boundary:
+            self.micro_steps += 1
             return
+        # The counter starts the next window (m + 1 when counting decides the boundary); with a boundary
+        # set by hand, fewer step() calls than accumulation steps may have come (accelerate's one per window).
+        ga = self.gradient_accumulation_steps()
+        self.micro_steps = (self.micro_steps // ga + 1) * ga
         self._new_window()
         self._check_unused_parameters()
         self._log_memory("before step")

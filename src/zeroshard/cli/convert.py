@@ -15,6 +15,11 @@ incomplete checkpoint exits with code 2 and a message naming it.
 precision ``D``, which ``engine.load_checkpoint(OUT)`` resumes (see
 :mod:`zeroshard.checkpoint.to_deepspeed`). Stage, precision and gradient clipping come from the
 flags, else from ``--ds-config``, else from the source checkpoint.
+
+``zeroshard convert --hf MODEL_DIR CHECKPOINT_DIR OUT [--dtype D] [--max-shard-size SIZE]`` writes a
+``save_pretrained``-style directory that Hugging Face's ``from_pretrained(OUT)`` loads: the weights
+(shards and index past the size, 50GB by default) with ``MODEL_DIR``'s ``config.json`` and
+generation and tokenizer files (see :mod:`zeroshard.checkpoint.hf_export`).
 """
 
 from __future__ import annotations
@@ -47,6 +52,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                    help="--to deepspeed: its ZeRO stage (default: --ds-config's, else the checkpoint's)")
     p.add_argument("--ds-config", default=None, metavar="JSON",
                    help="--to deepspeed: its config file (stage, precision, gradient_clipping, sub_group_size)")
+    p.add_argument("--hf", default=None, metavar="MODEL_DIR",
+                   help="write a Hugging Face save_pretrained directory, with MODEL_DIR's config.json "
+                        "(default dtype: the config's)")
     return p
 
 
@@ -78,6 +86,33 @@ def _to_deepspeed(args: argparse.Namespace, parser: argparse.ArgumentParser, pro
         return 2
     if not args.quiet:
         print(final)
+    return 0
+
+
+def _to_hf(args: argparse.Namespace, prog: str) -> int:
+    """``--hf MODEL_DIR``: a directory ``from_pretrained`` loads."""
+    import torch
+
+    from zeroshard.checkpoint.consolidate import parse_size
+    from zeroshard.checkpoint.hf_export import export_hf
+    from zeroshard.errors import CheckpointError
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype or "")
+    try:
+        if args.max_shard_size is not None:
+            parse_size(args.max_shard_size)
+    except ValueError as e:
+        print(f"{prog}: error: --max-shard-size: {e}", file=sys.stderr)
+        return 2
+    try:
+        files = export_hf(args.hf, args.checkpoint_dir, args.out, tag=args.tag, dtype=dtype,
+                          max_shard_size=args.max_shard_size)
+    except CheckpointError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    if not args.quiet:
+        for f in files:
+            print(f)
     return 0
 
 
@@ -119,6 +154,8 @@ def main(argv: Sequence[str], prog: str = "zeroshard convert") -> int:
         parser.error(f"output {out} exists and is not a directory")
     if args.to == "deepspeed":
         return _to_deepspeed(args, parser, prog)
+    if args.hf is not None:
+        return _to_hf(args, prog)
     args.dtype = args.dtype or "fp32"
     if args.max_shard_size is not None:
         from zeroshard.checkpoint.consolidate import parse_size

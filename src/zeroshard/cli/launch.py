@@ -164,9 +164,28 @@ def _translate(parser: argparse.ArgumentParser, args: argparse.Namespace, passed
         out.append("--standalone")
     out += torchrun_option_args(passed)
     local_rank = [LOCAL_RANK_ARG] if _wants_local_rank(args, passed) else []
+    target = [args.script, *local_rank, *args.script_args]
+    if args.as_deepspeed or args.shadow_deepspeed:
+        out, target = _as_deepspeed(parser, args, passed, out, target)
     # "--" ends torchrun's options: its parser (allow_abbrev) would otherwise read the script's own
     # arguments too, and stop at one that abbreviates two of its options (``--max``, ``--log``).
-    return [*out, "--", args.script, *local_rank, *args.script_args], env
+    return [*out, "--", *target], env
+
+
+#: The module that enables the DeepSpeed compatibility layer, then runs a script or module (runpy).
+COMPAT_BOOTSTRAP = "zeroshard.compat.deepspeed"
+
+
+def _as_deepspeed(parser: argparse.ArgumentParser, args: argparse.Namespace, passed: dict, out: list[str],
+                  target: list[str]) -> tuple[list[str], list[str]]:
+    """``--as-deepspeed``: every worker runs ``python -m zeroshard.compat.deepspeed [--shadow] [-m] TARGET``,
+    which enables the layer before the script (and transformers or accelerate) is imported."""
+    if passed.get("no_python"):
+        parser.error("argument --as-deepspeed: not allowed together with --no_python (the layer runs in Python)")
+    layer = [COMPAT_BOOTSTRAP, *(["--shadow"] if args.shadow_deepspeed else [])]
+    if passed.get("module"):
+        return out, [*layer, "-m", *target]
+    return [*out, "--module"], [*layer, *target]
 
 
 def _wants_local_rank(args: argparse.Namespace, passed: dict) -> bool:
@@ -211,6 +230,8 @@ def _multi_host(parser: argparse.ArgumentParser, args: argparse.Namespace, hosts
     remote = multinode.Remote(launcher, args.ssh_port, args.launcher_args, args.venv_script, cwd, exports)
     master = (args.master_addr or next(iter(hosts)), args.master_port or DEFAULT_MASTER_PORT)
     launch_args = torchrun_option_args(passed) + (["--no_local_rank"] if args.no_local_rank else [])
+    launch_args += ["--as-deepspeed"] if args.as_deepspeed else []
+    launch_args += ["--shadow-deepspeed"] if args.shadow_deepspeed else []
     jobs = multinode.host_jobs(hosts, launch_args, [args.script, *args.script_args], master, tag, remote)
     if args.dry_run:
         print(multinode.describe(jobs, remote), flush=True)

@@ -21,8 +21,8 @@ Nothing happens on import of this module. Turn it on before transformers or acce
     zeroshard.compat.deepspeed.enable()
     import transformers
 
-or run a script under it: ``python -m zeroshard.compat.deepspeed [--shadow] train.py ARGS`` (also as
-``zeroshard launch -m zeroshard.compat.deepspeed train.py ARGS``).
+or run a script under it: ``python -m zeroshard.compat.deepspeed [--shadow] train.py ARGS``, or on every
+rank with ``zeroshard launch --as-deepspeed`` (``--shadow-deepspeed``) ``train.py ARGS``.
 
 When the real DeepSpeed is importable, :func:`enable` refuses (:class:`DeepSpeedShadowError`) unless
 ``shadow=True`` says to hide it; :func:`disable` undoes everything :func:`enable` did.

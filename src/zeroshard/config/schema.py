@@ -6,10 +6,10 @@ batch-size arithmetic; the model alone validates types and bounds only.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from zeroshard.config.blocks import (
     ActivationCheckpointingConfig,
@@ -64,6 +64,12 @@ class ZeroshardConfig(ConfigModel):
 
     steps_per_print: Int | None = Field(default=None, gt=0)
     """Log progress every this many optimizer steps (None: never; DeepSpeed 0.19 default None)."""
+
+    @field_validator("steps_per_print", mode="before")
+    @classmethod
+    def _infinity_is_never(cls, value: object) -> object:
+        # accelerate writes float("inf") to silence DeepSpeed's progress lines (DeepSpeed never prints then)
+        return None if isinstance(value, float) and value == float("inf") else value
 
     wall_clock_breakdown: bool = False
     """Time forward, backward and step and log the breakdown."""
@@ -159,3 +165,8 @@ class ZeroshardConfig(ConfigModel):
     def dynamic_loss_scale(self) -> bool:
         """True when fp16 is enabled with ``loss_scale == 0`` (dynamic loss scaling)."""
         return self.fp16.enabled and self.fp16.loss_scale == 0
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """A top-level key in DeepSpeed's JSON form, as on the dict that DeepSpeed's ``engine.config`` is
+        (Hugging Face's Trainer reads ``engine.config.get("zero_optimization", {})``)."""
+        return self.model_dump(mode="json").get(key, default)

@@ -43,6 +43,18 @@ class TrainingAPI:
     inside_no_sync_ctxt: bool = False
     #: whether the latest ``step()`` updated the parameters (:meth:`was_step_applied`)
     _step_applied: bool = False
+    #: set by :meth:`set_gradient_accumulation_boundary`; ``None``: the micro-step counter decides
+    _boundary_override: bool | None = None
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Say by hand whether the coming backward and ``step()`` end an accumulation window (DeepSpeed's).
+
+        From the first call on, :meth:`is_gradient_accumulation_boundary` returns the value set last
+        instead of counting micro-steps: accelerate sets it before every backward and calls ``step()``
+        only at the boundary. A boundary ``step()`` then starts a new window of the counter, so the
+        checkpoint and batch-size checks of window starts still hold.
+        """
+        self._boundary_override = bool(is_boundary)
 
     # -- no_sync --------------------------------------------------------------------------------
     @contextmanager
@@ -197,6 +209,17 @@ class TrainingAPI:
     def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         """DeepSpeed's older name of ``save_16bit_model``."""
         return bool(self.save_16bit_model(save_dir, save_filename))  # type: ignore[attr-defined]
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> Any:
+        """The full weights in the compute dtype on rank 0's CPU (``None`` on other ranks), ZeRO-3 only:
+        what Hugging Face's Trainer and accelerate save (collective; :mod:`zeroshard.zero.state_dict`)."""
+        from zeroshard.zero.state_dict import zero3_consolidated_16bit_state_dict
+
+        return zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters)
+
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> Any:
+        """DeepSpeed's dispatcher over ZeRO-3 and tensor parallelism (which zeroshard has not): ZeRO-3 only."""
+        return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
 
     # -- data --------------------------------------------------------------------------------------------
     def deepspeed_io(self, dataset: Any, batch_size: int | None = None, route: str = "train",

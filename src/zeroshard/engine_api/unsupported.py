@@ -55,8 +55,6 @@ NOT_YET_SUPPORTED: dict[str, str] = {
                                 "reduced once per accumulation window already (and no_sync() works)"),
     "scale": ("engine.scale(loss) followed by loss.backward() is not supported: call engine.backward(loss), which "
               "scales the loss and drives the gradient reduction"),
-    "set_gradient_accumulation_boundary": ("the engine counts micro-steps itself "
-                                           "(gradient_accumulation_steps); the boundary cannot be set by hand"),
     "clip_fp32_gradients": "gradients are clipped inside engine.step() (gradient_clipping)",
     "load_moe_state_dict": "mixture-of-experts layers are not supported",
     "compile": _COMPILE,
