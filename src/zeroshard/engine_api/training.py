@@ -260,7 +260,8 @@ class TrainingAPI:
 
     def destroy(self) -> None:
         """Detach the engine from the module (gradient hooks, ZeRO-3 hooks), stop the communication
-        logger and close the monitors. The engine cannot train afterwards."""
+        logger, close the monitors and remove the offload swap files. The engine cannot train
+        afterwards."""
         sync = getattr(self.optimizer, "sync", None)
         if sync is not None:
             sync.remove_hooks()
@@ -273,6 +274,9 @@ class TrainingAPI:
         monitor = getattr(self, "monitor", None)
         if monitor is not None:
             monitor.close()
+        close = getattr(self.optimizer, "close", None)
+        if close is not None:  # swap files of NVMe offload
+            close()
 
     # -- config keys acting at the step ----------------------------------------------------------------
     def _check_unused_parameters(self) -> None:

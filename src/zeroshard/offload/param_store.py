@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from zeroshard.errors import ConfigError
-from zeroshard.offload.aio import AsyncIO, IOHandle, SwapFile, check_free_space, round_up, swap_dir
+from zeroshard.offload.aio import AsyncIO, IOHandle, SwapFile, check_free_space, remove_swap_dir, round_up, swap_dir
 from zeroshard.offload.buffers import BufferPool
 from zeroshard.offload.policy import OffloadPolicy, Residency, host_device, should_pin
 from zeroshard.partition import Bucket
@@ -102,6 +102,7 @@ class ParamSwapFile:
         """Stop the I/O threads and remove the swap file."""
         self.io.close()
         self.file.close(remove=True)
+        remove_swap_dir(self.directory)
 
 
 class ParamShard:

@@ -34,7 +34,16 @@ from typing import Any
 import torch
 
 from zeroshard.errors import ConfigError
-from zeroshard.offload.aio import AsyncIO, IOHandle, SwapFile, aligned_empty, check_free_space, round_up, swap_dir
+from zeroshard.offload.aio import (
+    AsyncIO,
+    IOHandle,
+    SwapFile,
+    aligned_empty,
+    check_free_space,
+    remove_swap_dir,
+    round_up,
+    swap_dir,
+)
 from zeroshard.offload.policy import OffloadPolicy, Residency, should_pin
 from zeroshard.offload.state_store import StateStore, SubGroup
 from zeroshard.stages.master import swapped_placeholder
@@ -342,3 +351,4 @@ class SwappedStateStore(StateStore):
         for f in self.files.values():
             f.close(remove=True)
         self.files.clear()
+        remove_swap_dir(self.directory)

@@ -149,6 +149,11 @@ class Stage3Optimizer(ZeroOptimizer):
         out["gathered_peak"] = self.coordinator.peak_gathered_numel * self.policy.param_dtype.itemsize
         return out
 
+    def close(self) -> None:
+        """Also remove the parameter swap file, if any."""
+        super().close()
+        self.shard.close()
+
     def memory_placement(self) -> dict[str, dict[str, int]]:
         """Adds the parameter shard's places."""
         out = super().memory_placement()

@@ -275,6 +275,10 @@ class ZeroOptimizer:
         """Drop accumulated gradients (DeepSpeed compatibility; the engine zeroes after each step)."""
         self.sync.zero()
 
+    def close(self) -> None:
+        """Release what the state store holds outside memory (swap files, I/O threads)."""
+        self.store.close()
+
     def memory_placement(self) -> dict[str, dict[str, int]]:
         """Bytes of each kind of state by where they live (``device``, ``host``, ``pinned_host``,
         ``file``): ``{"master_weights": {"host": n}, ...}``."""
