@@ -105,7 +105,7 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
     def memory_usage(self) -> dict[str, int]:
         """Bytes this rank holds (DeepSpeed's ``memory_breakdown()`` is the config flag):
         ``parameters`` (module tensors materialized now), ``gradients``,
-        ``master_weights``, ``optimizer_states``, under ZeRO-3 ``parameter_shard`` (16-bit shard
+        ``master_weights``, ``optimizer_states``, under ZeRO-3 ``parameter_shard`` (a compute-dtype shard
         at rest) and ``gathered_peak`` (most gathered parameter bytes seen at once),
         ``comm_workspace`` (reused communication buffers, bounded by the bucket sizes), and
         ``total`` (the model state: peaks and workspace excluded)."""

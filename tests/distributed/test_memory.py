@@ -76,7 +76,8 @@ def test_memory_follows_zero_formulas(world: int) -> None:
             "optimizer_states": 8 * psi / shard,
         }
         if stage == 3:
-            expected["parameter_shard"] = 2 * psi / n
+            # Units are gathered from the fp32 masters, cast chunk by chunk: no 16-bit shard is kept.
+            assert "parameter_shard" not in mem, (key, mem)
         slack = {
             "parameters": 0,
             "parameter_shard": 2 * tensors,
@@ -88,9 +89,10 @@ def test_memory_follows_zero_formulas(world: int) -> None:
             assert want - 1 <= mem[k] <= want + slack[k] + 1, f"stage {stage} {accum} {k}: {mem[k]} vs {want}"
         total = sum(expected.values())
         assert abs(mem["total"] - total) / total < 0.01, (key, mem, total)
-    # Sharding really shrinks what each rank holds; stage 3 with bf16 accumulation is 16Ψ/N.
+    # Sharding really shrinks what each rank holds; stage 3 with bf16 accumulation is 14Ψ/N (the
+    # ZeRO paper's 16Ψ/N less the 16-bit parameter shard, which stage 3 does not keep).
     r = results[0]
     assert r["3/bf16"]["total"] < r["2/bf16"]["total"] < r["1/bf16"]["total"] < r["0/bf16"]["total"]
-    assert abs(r["3/bf16"]["total"] - 16 * psi / n) / (16 * psi / n) < 0.01
+    assert abs(r["3/bf16"]["total"] - 14 * psi / n) / (14 * psi / n) < 0.01
     # Peak gathered parameters: at most the whole model in bf16 here (default live budget).
     assert 0 < r["3/bf16"]["gathered_peak"] <= 2 * psi

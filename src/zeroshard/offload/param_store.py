@@ -3,8 +3,9 @@
 Stage 3 keeps each rank's chunk of every unit in a flat shard with the master layout (see
 :mod:`zeroshard.stages.stage3`). :func:`make_param_shard` places it by the offload policy:
 
-- ``offload_param: none``: on the training device; with fp32 compute and masters on the device
-  it *is* the master buffer (no copy).
+- ``offload_param: none``: on the training device. With masters on the device too it *is* the
+  master buffer: units are gathered from the fp32 masters, cast to the compute dtype chunk by
+  chunk, and no compute-dtype copy of the shard is kept (2 bytes per parameter over N saved).
 - ``offload_param: cpu``: in host memory (pinned with an accelerator); each unit's chunk is copied
   to the device inside its all-gather, which the coordinator prefetches. With fp32 compute and
   host masters (``offload_optimizer: cpu``) it is the master buffer.
@@ -123,7 +124,7 @@ class ParamShard:
     def publish(self, start: int, end: int, values: torch.Tensor) -> None:
         """Take the updated fp32 masters of the flat range ``[start, end)`` (whole units)."""
         if self.flat is not None:
-            self.flat[start:end].copy_(values, non_blocking=True)
+            self.flat[start:end].copy_(values)  # blocking: ``values`` may be a swap buffer reused next
             return
         assert self.swap is not None
         for b in self.buckets:
@@ -153,7 +154,10 @@ def make_param_shard(master: Any, buckets: list[Bucket], policy: OffloadPolicy, 
     res = policy.params
     where = device if res is Residency.DEVICE else host_device()
     pin = should_pin(policy.param_pin_memory, device)
-    if res is not Residency.FILE and dtype == torch.float32 and not master.swapped and master.flat.device == where:
+    if res is not Residency.FILE and not master.swapped and master.flat.device == where and (
+            dtype == torch.float32 or where.type == device.type):
+        # The masters are where the parameters are gathered: gather from them, casting each unit's
+        # chunk on the way (as FSDP2 does), rather than keep a compute-dtype copy of the shard.
         return ParamShard(buckets, master.flat, None, aliased=True)
     initial = master.flat if not master.swapped else None
     if res is Residency.FILE:

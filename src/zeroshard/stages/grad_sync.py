@@ -223,6 +223,7 @@ class _FullAccumulatorSync(GradSync):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.acc_device = self.device  # reduced where it is accumulated; the step moves its shard
         # Never read before written: the first gradient of a window is copied in (padding zeroed),
         # unwritten parameters are zeroed before the collective.
         self.acc = torch.empty(self.layout_world * self.shard_numel, dtype=self.policy.grad_accum_dtype,
@@ -303,12 +304,16 @@ class MicroStepReduceScatterSync(GradSync):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        # Written (not added) by each bucket's first reduction of a window. With optimizer offload
-        # it lives in host memory (pinned on an accelerator): only this rank's shard crosses over.
-        pin = self.acc_device.type == "cpu" and self.device.type != "cpu" and torch.cuda.is_available()
-        self.acc = torch.empty(self.shard_numel, dtype=self.policy.grad_accum_dtype, device=self.acc_device,
-                               pin_memory=pin)
-        self._acc_views = [self.acc[b.start : b.start + b.numel] for b in self.buckets]
+        # With optimizer offload the shard lives in host memory (pinned on an accelerator): only
+        # this rank's shard crosses over, and it stays allocated (page-locking is slow). On the
+        # training device it exists only from a window's first reduction to its step, as FSDP
+        # frees gradients after the step: it is not held through the next forward.
+        self._pin = self.acc_device.type == "cpu" and self.device.type != "cpu" and torch.cuda.is_available()
+        self._keep = self.acc_device != self.device
+        self.acc: torch.Tensor | None = None
+        self._acc_views: list[torch.Tensor] = []
+        if self._keep:
+            self.accumulator()
         self._capacity = max((b.full_numel for b in self.buckets), default=0)
         self._buffers: dict[int, torch.Tensor] = {}  # bucket index -> buffer being filled or reduced
         self._free: list[torch.Tensor] = []
@@ -340,10 +345,10 @@ class MicroStepReduceScatterSync(GradSync):
         full = self._buffer(bucket)
         self._zero_unwritten(full.view(self.layout_world, bucket.numel), bucket, bucket.ready.__contains__)
         pending = C.reduce_scatter_rows(full, self.group, tag=bucket.index)
-        acc = self._acc_views[bucket.index]
-
         def finalize() -> None:
             row = pending.wait()
+            # Written (not added) by each bucket's first reduction of a window.
+            acc = self.accumulator()[bucket.start : bucket.start + bucket.numel]
             post = self._post(1.0 / self.world)
             if row.device != acc.device:  # offload: the averaged row goes to host memory
                 row = row.mul(post).to(acc.device)
@@ -357,7 +362,16 @@ class MicroStepReduceScatterSync(GradSync):
 
         return finalize
 
+    def accumulator(self) -> torch.Tensor:
+        """This rank's flat gradient shard, allocated if the window has none yet."""
+        if self.acc is None:
+            self.acc = torch.empty(self.shard_numel, dtype=self.policy.grad_accum_dtype, device=self.acc_device,
+                                   pin_memory=self._pin)
+            self._acc_views = [self.acc[b.start : b.start + b.numel] for b in self.buckets]
+        return self.acc
+
     def shard_grads(self) -> list[torch.Tensor]:
+        self.accumulator()
         for i in self._fresh:  # not reduced in this window (no backward at all): no gradient
             self._acc_views[i].zero_()
         return self._acc_views
@@ -365,6 +379,9 @@ class MicroStepReduceScatterSync(GradSync):
     def zero(self) -> None:
         super().zero()
         self._fresh = {b.index for b in self.buckets}
+        if not self._keep:  # the step has consumed it: free it until the next window's first reduction
+            self.acc = None
+            self._acc_views = []
         # Bucket buffers beyond the pool size were needed only while many buckets filled at once.
         del self._free[max(0, MAX_BUFFERS - len(self._buffers)):]
 
@@ -373,7 +390,8 @@ class MicroStepReduceScatterSync(GradSync):
         return len(self._free) + len(self._buffers)
 
     def bytes_held(self) -> int:
-        return self.acc.numel() * self.acc.element_size()
+        """Bytes of the gradient shard while it exists (from a window's first reduction to its step)."""
+        return self.shard_numel * self.policy.grad_accum_dtype.itemsize
 
     def workspace_bytes(self) -> int:
         return self._pool_size() * self._capacity * self.policy.reduce_dtype.itemsize

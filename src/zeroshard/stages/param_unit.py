@@ -46,8 +46,9 @@ class ParamUnit:
                  persistent: bool, name: str, device: torch.device | None = None, swap: Any = None,
                  dtype: torch.dtype | None = None) -> None:
         self.bucket = bucket
-        #: ``[bucket.numel]`` compute-dtype view into the flat shard buffer (on the device, or in
-        #: host memory with parameter offload); ``None`` when the shard lives in ``swap``'s file
+        #: ``[bucket.numel]`` view into the flat shard buffer: the compute-dtype shard (on the device,
+        #: or in host memory with parameter offload), or the fp32 masters themselves (cast when
+        #: gathered); ``None`` when the shard lives in ``swap``'s file
         self.shard = shard
         #: the parameter swap file (:class:`~zeroshard.offload.param_store.ParamSwapFile`) with NVMe
         #: parameter offload
@@ -93,10 +94,12 @@ class ParamUnit:
             return
         self._start_all_gather(self.shard)
 
-    def _start_all_gather(self, shard: torch.Tensor | None) -> None:
+    def _start_all_gather(self, shard: torch.Tensor | None, pooled: bool = False) -> None:
         assert shard is not None
-        if shard.device != self.device:  # parameter offload to host memory
-            shard = shard.to(self.device, non_blocking=True)
+        if shard.device != self.device or shard.dtype != self.dtype:
+            # Parameter offload (host memory to the device), or the fp32 masters cast on the way.
+            # A pooled swap buffer goes back to the pool (and is refilled) right after: copy blocking.
+            shard = shard.to(self.device, self.dtype, non_blocking=not pooled)
         out = torch.empty(self.world * self.bucket.numel, dtype=self.dtype, device=self.device)
         self._pending = (out, C.all_gather(out, shard, self.group, what=self.gather_what))
 
@@ -109,7 +112,7 @@ class ParamUnit:
         if self._read is not None:
             read, self._read = self._read, None
             try:
-                self._start_all_gather(read.wait())
+                self._start_all_gather(read.wait(), pooled=True)
                 out, work = self._pending if self._pending is not None else (None, None)
                 if work is not None:
                     work.wait()  # the buffer goes back to the pool only once the collective has read it

@@ -74,8 +74,6 @@ class Stage3Optimizer(ZeroOptimizer):
         self.sync.ordered = False
         self.sync.on_param_done = self._param_done
         assert isinstance(self.sync, MicroStepReduceScatterSync)
-        # The reduction buckets span several units; the shard accumulator is in layout order.
-        self._unit_grads = [self.sync.acc[b.start : b.start + b.numel] for b in self.buckets]
 
     def _make_buckets(self, params: list[torch.nn.Parameter]) -> list[Bucket]:
         trained = set(params)
@@ -95,7 +93,9 @@ class Stage3Optimizer(ZeroOptimizer):
 
     def _grad_views(self) -> list[torch.Tensor]:
         self.sync.shard_grads()  # zeroes what no backward reduced in this window
-        return self._unit_grads
+        # The reduction buckets span several units; the shard accumulator is in layout order.
+        acc = self.sync.accumulator()  # type: ignore[attr-defined]
+        return [acc[b.start : b.start + b.numel] for b in self.buckets]
 
     def start_backward(self, boundary: bool) -> None:
         """Count the gradients each unit still waits for in this backward."""

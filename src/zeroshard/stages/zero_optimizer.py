@@ -71,14 +71,9 @@ class StageSpec:
     param_persistence_threshold: int = 100_000
 
 
-def _place(t: torch.Tensor) -> str:
-    if t.device.type != "cpu":
-        return "device"
-    return "pinned_host" if t.numel() and t.is_pinned() else "host"
-
-
 def _copy_range(target: torch.Tensor, a: int, b: int, values: torch.Tensor) -> None:
-    target[a:b].copy_(values, non_blocking=True)
+    # Blocking: ``values`` may be a swap buffer that is refilled as soon as this returns.
+    target[a:b].copy_(values)
 
 
 def _in_memory(places: dict[str, int]) -> int:
@@ -283,9 +278,10 @@ class ZeroOptimizer:
         """Bytes of each kind of state by where they live (``device``, ``host``, ``pinned_host``,
         ``file``): ``{"master_weights": {"host": n}, ...}``."""
         out = self.store.bytes_held()
-        grads = self.sync.acc if hasattr(self.sync, "acc") else None
-        if grads is not None:
-            out["gradients"] = {_place(grads): self.sync.bytes_held()}
+        acc_device = self.sync.acc_device
+        pinned = acc_device.type == "cpu" and self.device.type != "cpu" and torch.cuda.is_available()
+        out["gradients"] = {"device" if acc_device.type != "cpu" else ("pinned_host" if pinned else "host"):
+                            self.sync.bytes_held()}
         return out
 
     def memory_breakdown(self) -> dict[str, int]:
