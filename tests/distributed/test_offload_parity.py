@@ -127,6 +127,7 @@ def parity_worker(rank: int, world: int, dtypes: list[str], nvme: str) -> dict[s
             same = all(torch.equal(a, b) for a, b in zip(weights, refs[stage]))
             dist = max(float((a - b).norm() / b.norm()) for a, b in zip(weights, refs[stage]))
             out[f"{dtype} stage {stage} optimizer {opt} params {param}"] = (same, dist, placement)
+    torch.distributed.barrier()  # every rank has destroyed its last engine
     out["leftover"] = sorted(os.listdir(nvme))  # swap directories removed by destroy()
     return out
 

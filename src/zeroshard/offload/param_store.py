@@ -124,7 +124,9 @@ class ParamShard:
     def publish(self, start: int, end: int, values: torch.Tensor) -> None:
         """Take the updated fp32 masters of the flat range ``[start, end)`` (whole units)."""
         if self.flat is not None:
-            self.flat[start:end].copy_(values)  # blocking: ``values`` may be a swap buffer reused next
+            # Asynchronous from page-locked masters (overlaps the next sub-group's step); the swapped
+            # store waits for the stream before it refills a buffer that was published from.
+            self.flat[start:end].copy_(values, non_blocking=True)
             return
         assert self.swap is not None
         for b in self.buckets:

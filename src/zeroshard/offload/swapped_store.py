@@ -93,6 +93,7 @@ class SwappedStateStore(StateStore):
     def __init__(self, master: Any, policy: OffloadPolicy, device: torch.device, rank: int) -> None:
         super().__init__(master, Residency.FILE, policy.sub_group_size)
         assert policy.optimizer_nvme_path is not None
+        self.device = device
         self.swap_masters = bool(master.swapped)
         self.offsets: dict[int, int] = {}
         pos = 0
@@ -147,6 +148,8 @@ class SwappedStateStore(StateStore):
 
     def _start_read(self, sg: SubGroup, slot: _Slot) -> list[IOHandle]:
         slot.drain()  # its last writes must be done before the buffer is refilled
+        if self.device.type == "cuda":  # and the asynchronous copies published from it
+            torch.cuda.current_stream(self.device).synchronize()
         slot.sg = sg
         return [self.io.read(self.files[k], self.offsets[sg.index], slot.tensor(k)[: sg.numel], what=self._what(k, sg))
                 for k in self._kinds()]
@@ -185,6 +188,8 @@ class SwappedStateStore(StateStore):
                                          what=self._what(k, sg)) for k in self._kinds()]
         for slot in self.slots:
             slot.drain()  # a write error surfaces in this step, naming the file and sub-group
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
         self.published = True
 
     def _local(self, sg: SubGroup, b: int, off: int) -> int:
@@ -240,6 +245,8 @@ class SwappedStateStore(StateStore):
         slot = self.slots[0]
         for sg in self.subgroups:
             slot.drain()
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
             row = slot.tensor(MASTER)[: sg.numel]
             self.io.read(self.files[MASTER], self.offsets[sg.index], row, what=self._what(MASTER, sg)).wait()
             self.publish(sg.start, sg.end, row)

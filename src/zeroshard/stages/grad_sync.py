@@ -350,9 +350,17 @@ class MicroStepReduceScatterSync(GradSync):
             # Written (not added) by each bucket's first reduction of a window.
             acc = self.accumulator()[bucket.start : bucket.start + bucket.numel]
             post = self._post(1.0 / self.world)
-            if row.device != acc.device:  # offload: the averaged row goes to host memory
-                row = row.mul(post).to(acc.device)
-                post = 1.0
+            if row.device != acc.device:  # offload: the averaged row goes to (page-locked) host memory
+                if post != 1.0:
+                    row = row.mul(post)
+                    post = 1.0
+                if bucket.index in self._fresh:
+                    self._fresh.discard(bucket.index)
+                    acc.copy_(row)  # straight into the pinned shard: no pageable staging copy
+                else:
+                    acc.add_(row.to(acc.device))
+                self._free.append(self._buffers.pop(bucket.index))
+                return
             if bucket.index in self._fresh:
                 self._fresh.discard(bucket.index)
                 torch.mul(row, post, out=acc)

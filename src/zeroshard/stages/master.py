@@ -41,14 +41,17 @@ class MasterShard:
     """
 
     def __init__(self, buckets: list[Bucket], rank: int, device: torch.device, alias_params: bool = False,
-                 swapped: bool = False) -> None:
+                 swapped: bool = False, pin: bool = False) -> None:
         self.buckets = buckets
         self.rank = rank
         self.numel = sum(b.numel for b in buckets)
         self.aliased = alias_params
         self.device = device
         self.swapped = swapped and not alias_params
-        self.flat = torch.zeros(0 if alias_params or self.swapped else self.numel, dtype=torch.float32, device=device)
+        # Page-locked with CPU optimizer offload on an accelerator: updated masters then reach the
+        # device by asynchronous copies that overlap the step of the next sub-group.
+        self.flat = torch.zeros(0 if alias_params or self.swapped else self.numel, dtype=torch.float32, device=device,
+                                pin_memory=pin and device.type == "cpu")
         #: the flat source of the compute-dtype parameters published after a step (stages 1-2
         #: pack their all-gathers from it): the masters, or a compute-dtype shard the swapped
         #: store keeps current

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from zeroshard.comm import collectives as C
 from zeroshard.offload import OffloadPolicy
+from zeroshard.offload.policy import should_pin
 from zeroshard.offload.factory import make_state_store, optimizer_state_device
 from zeroshard.partition import Bucket, make_buckets
 from zeroshard.precision import LossScaler, PrecisionPolicy
@@ -72,8 +73,8 @@ class StageSpec:
 
 
 def _copy_range(target: torch.Tensor, a: int, b: int, values: torch.Tensor) -> None:
-    # Blocking: ``values`` may be a swap buffer that is refilled as soon as this returns.
-    target[a:b].copy_(values)
+    # Asynchronous from page-locked memory; the swapped store waits for it before refilling a buffer.
+    target[a:b].copy_(values, non_blocking=True)
 
 
 def _in_memory(places: dict[str, int]) -> int:
@@ -111,7 +112,8 @@ class ZeroOptimizer:
         master_device = optimizer_state_device(self.offload, device)
         alias = policy.param_dtype == torch.float32 and spec.stage < 3 and master_device == device
         self.master = MasterShard(self.buckets, self.rank if layout_world > 1 else 0, master_device,
-                                  alias_params=alias, swapped=self.offload.optimizer.value == "file")
+                                  alias_params=alias, swapped=self.offload.optimizer.value == "file",
+                                  pin=should_pin(self.offload.pin_memory, device))
         #: where master weights and optimizer state live, and the one way to read or write them
         self.store = make_state_store(self.master, self.offload, device, self.rank)
         if self.master.swapped and spec.stage < 3:
