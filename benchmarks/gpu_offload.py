@@ -61,19 +61,25 @@ def _child(args: argparse.Namespace) -> None:
         torch.cuda.reset_peak_memory_stats()
     setup = time.perf_counter() - started
     x = torch.randint(0, 256, (args.batch, args.seq), device=dev)
-    times, losses = [], []
+    times, losses, phases = [], [], []
     for _ in range(args.steps):
         sync()
         t = time.perf_counter()
         loss = engine(x, x)
+        sync()
+        t1 = time.perf_counter()
         engine.backward(loss)
+        sync()
+        t2 = time.perf_counter()
         engine.step()
         sync()
         times.append(time.perf_counter() - t)
+        phases.append((t1 - t, t2 - t1, time.perf_counter() - t2))
         losses.append(float(loss))
     step = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0]
     out = {"config": args.child, "params": numel, "setup_s": round(setup, 1), "step_s": round(step, 3),
            "tokens_per_s": round(args.batch * args.seq / step), "losses": [round(v, 3) for v in losses],
+           "forward_backward_step_s": [round(v, 3) for v in phases[-1]],
            "peak_device_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
            "peak_host_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
            "placement_gib": {k: {p: round(b / 2**30, 2) for p, b in v.items()}
@@ -119,7 +125,8 @@ def main() -> None:
         r = json.loads(line[7:])
         print(f"| {name} | {r['params'] / 1e9:.2f}B | {r['step_s']} | {r['tokens_per_s']} | {r['peak_device_gib']} | "
               f"{r['peak_host_rss_gib']} | {r['setup_s']} | {r['losses']} |", flush=True)
-        print(f"<!-- {name} placement: {json.dumps(r['placement_gib'])} -->", flush=True)
+        print(f"<!-- {name}: last step forward/backward/step s {r['forward_backward_step_s']}; placement GiB "
+              f"{json.dumps(r['placement_gib'])} -->", flush=True)
 
 
 if __name__ == "__main__":

@@ -284,7 +284,7 @@ def test_estimate_help_subprocess() -> None:
 def test_estimate_subprocess() -> None:
     proc = _cli("estimate", "--params", "7e9", "--gpus", "8")
     assert proc.returncode == 0, proc.stderr
-    assert "| 3     | none" in proc.stdout and "not yet (DeepSpeed's numbers)" in proc.stdout
+    assert "| 3     | none" in proc.stdout and "| 3     | optimizer+params->nvme" in proc.stdout
 
 
 def test_report_subprocess() -> None:

@@ -5,10 +5,12 @@
 MODEL is a Hugging Face ``config.json`` (or a directory holding one, or JSON text) or a factory
 ``pkg.module:function`` / ``path/file.py:function`` returning an ``nn.Module``; either is built on
 the meta device, so no weight is allocated. The table shows model states, buffers, activations
-(for transformer configs) with and without activation checkpointing, and CPU memory per node, for
-each stage with and without offload. With ``--gpu-memory`` the fastest configuration that fits
-is written as a DeepSpeed config (``-o``, default ``ds_config.json``); when none fits the command
-says why and exits with 1. Bad arguments exit with 2 and a message naming them.
+(for transformer configs) with and without activation checkpointing, CPU memory and NVMe swap
+files per node, for each stage with and without optimizer and parameter offload. With
+``--gpu-memory`` the fastest configuration that fits (without offload, else with CPU offload,
+else, given ``--nvme-gb``, with NVMe offload under ``--nvme-path``) is written as a DeepSpeed
+config (``-o``, default ``ds_config.json``); when none fits the command says why and exits with 1.
+Bad arguments exit with 2 and a message naming them.
 """
 
 from __future__ import annotations
@@ -34,12 +36,14 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     """The command's argument parser."""
     p = argparse.ArgumentParser(
         prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Estimate memory per GPU and per node for ZeRO stages 0-3 (with and without offload), "
-                    "including activations, and optionally write the fastest config that fits.",
+        description="Estimate memory per GPU and per node for ZeRO stages 0-3 (with and without CPU and NVMe "
+                    "offload), including activations, and optionally write the fastest config that fits.",
         epilog="examples:\n"
                "  zeroshard estimate --params 7e9 --gpus 8\n"
                "  zeroshard estimate path/to/config.json --micro-batch 4 --seq-len 2048 --gpus 8\n"
                "  zeroshard estimate mypkg.models:build --gpus 8 --gpu-memory 80GB --cpu-memory 512GB\n"
+               "  zeroshard estimate --params 70e9 --gpus 8 --gpu-memory 24GB --cpu-memory 256GB \\\n"
+               "      --nvme-gb 2000 --nvme-path /local_nvme\n"
                "sizes: 80GB = 80e9 bytes, 80GiB = 80*2^30 bytes; counts: 7e9, 7B, 125M.")
     p.add_argument("model", metavar="MODEL", nargs="?",
                    help="Hugging Face config.json, a directory with one, JSON text, or pkg.module:function")
@@ -60,6 +64,12 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                    help="activation memory per GPU for one micro batch, for models without a transformer config")
     p.add_argument("--gpu-memory", metavar="SIZE", help="memory per GPU: pick the fastest config that fits")
     p.add_argument("--cpu-memory", metavar="SIZE", help="CPU memory per node the config must fit (with --gpu-memory)")
+    p.add_argument("--nvme-gb", type=float, metavar="GB",
+                   help="NVMe disk per node for swap files, in GB (1e9 bytes): lets the planner choose NVMe "
+                        "offload (default: no NVMe)")
+    p.add_argument("--nvme-path", metavar="DIR",
+                   help="directory on the NVMe drive for swap files, written into the config (needed when the "
+                        "chosen plan offloads to NVMe)")
     p.add_argument("--headroom", type=float, default=0.1, metavar="F",
                    help="fraction of GPU memory kept free for the CUDA context and fragmentation (default 0.1)")
     p.add_argument("-o", "--output", default="ds_config.json", metavar="PATH",
@@ -123,8 +133,15 @@ def _check_numbers(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
             parser.error(f"argument {option}: must be at least 1, got {value}")
     if not 0 <= args.headroom < 1:
         parser.error(f"argument --headroom: must be in [0, 1), got {args.headroom}")
-    if args.cpu_memory is not None and args.gpu_memory is None:
-        parser.error("argument --cpu-memory: only used with --gpu-memory (planning)")
+    for option, value in (("--cpu-memory", args.cpu_memory), ("--nvme-gb", args.nvme_gb),
+                          ("--nvme-path", args.nvme_path)):
+        if value is not None and args.gpu_memory is None:
+            parser.error(f"argument {option}: only used with --gpu-memory (planning)")
+    if args.nvme_gb is not None and not 0 < args.nvme_gb < 1e9:
+        parser.error(f"argument --nvme-gb: must be a number of GB above 0, got {args.nvme_gb:g}")
+    if args.nvme_path is not None and args.nvme_gb is None:
+        parser.error("argument --nvme-path: give the disk budget per node with --nvme-gb too "
+                     "(NVMe offload is considered only with a budget)")
 
 
 def main(argv: Sequence[str], prog: str = "zeroshard estimate") -> int:
@@ -153,7 +170,8 @@ def main(argv: Sequence[str], prog: str = "zeroshard estimate") -> int:
         seq_len = min(2048, max_pos) if isinstance(max_pos, int) and max_pos > 0 else 2048
     elif isinstance(max_pos, int) and seq_len > max_pos:
         notes.append(f"note: --seq-len {seq_len} exceeds the model's max_position_embeddings ({max_pos})")
-    hardware = Hardware(args.gpus, args.nodes, gpu_memory, cpu_memory)
+    nvme_memory = int(args.nvme_gb * 1e9) if args.nvme_gb is not None else None
+    hardware = Hardware(args.gpus, args.nodes, gpu_memory, cpu_memory, nvme_memory)
     training = Training(args.dtype, args.grad_accum_dtype, args.micro_batch, seq_len, args.attention, activation_bytes)
     print(render_estimate(estimate(spec, hardware, training)))
     for n in notes:
@@ -170,7 +188,7 @@ def main(argv: Sequence[str], prog: str = "zeroshard estimate") -> int:
         return 0
     print()
     try:
-        chosen = plan(spec, hardware, training, args.headroom)
+        chosen = plan(spec, hardware, training, args.headroom, args.nvme_path)
     except PlanError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 1
@@ -181,4 +199,6 @@ def main(argv: Sequence[str], prog: str = "zeroshard estimate") -> int:
         print(f"{prog}: error: cannot write {out}: {e}", file=sys.stderr)
         return 2
     print(render_plan(chosen, str(out)))
+    if chosen.row.choice.uses_nvme and not Path(args.nvme_path).is_dir():
+        print(f"note: --nvme-path {args.nvme_path} is not a directory yet: create it before training")
     return 0

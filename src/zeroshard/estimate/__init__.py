@@ -2,8 +2,10 @@
 
 - :mod:`~zeroshard.estimate.formulas`: DeepSpeed's ``estimate_zero2_*`` / ``estimate_zero3_*``
   functions (also under :mod:`zeroshard.runtime.zero.stage_1_and_2` and ``stage3``).
-- :func:`estimate`: zeroshard's own per-GPU and per-node bytes for stages 0–3 and offload choices,
-  with activations; :func:`plan`: the fastest configuration that fits, as a DeepSpeed config.
+- :func:`estimate`: zeroshard's own per-GPU and per-node bytes (host memory, NVMe swap files) for
+  stages 0–3 and offload choices, with activations; :func:`plan`: the fastest configuration that
+  fits, as a DeepSpeed config; :func:`placement`: one rank's bytes by kind and place for an
+  :class:`Offload` choice, as ``engine.optimizer.memory_placement()`` reports them.
 - Models come from a module (:func:`spec_from_module`), a factory (:func:`spec_from_factory`), a
   Hugging Face config (:func:`spec_from_hf_config`) or a count (:func:`spec_from_count`), built on
   the meta device.
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
         spec_from_module,
     )
     from zeroshard.estimate.planner import Estimate, Hardware, Plan, PlanError, Row, Training, estimate, plan
+    from zeroshard.estimate.residency import Offload, Placement, placement
     from zeroshard.estimate.states import Buckets, StateEstimate, model_states
 
 _LAZY = {
@@ -36,13 +39,14 @@ _LAZY = {
     "spec_from_factory": "model_spec", "spec_from_module": "model_spec",
     "Estimate": "planner", "Hardware": "planner", "Plan": "planner", "PlanError": "planner", "Row": "planner",
     "Training": "planner", "estimate": "planner", "plan": "planner",
+    "Offload": "residency", "Placement": "residency", "placement": "residency",
     "Buckets": "states", "StateEstimate": "states", "model_states": "states",
 }
 
 __all__ = [
-    "ActivationEstimate", "Buckets", "Estimate", "Hardware", "ModelSpec", "Plan", "PlanError", "Row", "StateEstimate",
-    "Training", "TransformerShape", "estimate", "estimate_activations", "model_states", "plan", "spec_from_count",
-    "spec_from_factory", "spec_from_hf_config", "spec_from_module",
+    "ActivationEstimate", "Buckets", "Estimate", "Hardware", "ModelSpec", "Offload", "Placement", "Plan", "PlanError",
+    "Row", "StateEstimate", "Training", "TransformerShape", "estimate", "estimate_activations", "model_states",
+    "placement", "plan", "spec_from_count", "spec_from_factory", "spec_from_hf_config", "spec_from_module",
 ]
 
 

@@ -4,8 +4,8 @@ These are DeepSpeed 0.19's ``estimate_zero2_model_states_mem_needs*`` (``runtime
 stage_1_and_2.py``, for stages 1 and 2) and ``estimate_zero3_model_states_mem_needs*``
 (``runtime/zero/stage3.py``), re-implemented without DeepSpeed. They estimate *model states*
 only (parameters, gradients, optimizer states; no activations, no buffers) for mixed-precision
-Adam, with DeepSpeed's residency, including offload (which zeroshard does not run yet). zeroshard's
-own estimate, which follows zeroshard's residency and adds activations, is
+Adam, with DeepSpeed's residency, including its CPU offload. zeroshard's own estimate, which
+follows zeroshard's residency (CPU and NVMe offload included) and adds activations, is
 :func:`zeroshard.estimate.estimate`.
 
 Two deliberate differences, neither changing a number:

@@ -74,6 +74,8 @@ class ModelSpec:
         param_numels: every parameter's element count (for per-rank padding), when known.
         units: ZeRO-3 units' element counts (each module's direct parameters not already owned
             by an earlier module), when known.
+        unit_param_counts: how many parameters each unit has (``param_numels`` lists them unit
+            after unit), when known: per-unit padding on N ranks.
         transformer: the transformer shape for activations; ``None`` for models the estimator
             cannot see inside (a factory's or a bare count).
         largest_assumed: the largest layer was not known and is assumed (a bare count).
@@ -86,6 +88,7 @@ class ModelSpec:
     param_numels: tuple[int, ...] | None = None
     units: tuple[int, ...] | None = None
     transformer: TransformerShape | None = None
+    unit_param_counts: tuple[int, ...] | None = None
     largest_assumed: bool = False
 
 
@@ -102,16 +105,19 @@ def spec_from_module(model: torch.nn.Module, description: str,
             largest, largest_name = n, name or type(m).__name__
     seen: set[int] = set()
     units: list[int] = []
+    counts: list[int] = []
     numels: list[int] = []
     for m in unit_modules(model):
         mine = [p for p in m.parameters(recurse=is_leaf(m)) if id(p) not in seen]
         seen.update(id(p) for p in mine)
         if mine:
             units.append(sum(p.numel() for p in mine))
+            counts.append(len(mine))
             numels.extend(p.numel() for p in mine)
     return ModelSpec(description=description, total_params=zero2_model_to_params(model),
                      largest_layer_params=largest, largest_layer_name=largest_name,
-                     param_numels=tuple(numels), units=tuple(units), transformer=transformer)
+                     param_numels=tuple(numels), units=tuple(units), transformer=transformer,
+                     unit_param_counts=tuple(counts))
 
 
 _COUNT = re.compile(r"\s*(\d+(?:\.\d*)?(?:[eE][+-]?\d+)?)\s*([kKmMbBtT]?)\s*")

@@ -1,22 +1,27 @@
 """The estimate table (stages 0–3 × offload, with activations) and the planner that picks a config.
 
-:func:`estimate` returns one :class:`Row` per stage and offload choice. Rows without offload are
-zeroshard's own residency (:mod:`zeroshard.estimate.states`, which matches
-``engine.memory_usage()``) plus its communication buffers and ZeRO-3 gathered units; rows
-with offload are DeepSpeed's numbers (:mod:`zeroshard.estimate.formulas`), since zeroshard does
-not offload yet. Activations (:mod:`zeroshard.estimate.activations`) are added to every row, with
-and without activation checkpointing.
+:func:`estimate` returns one :class:`Row` per stage and offload choice (none; the optimizer to
+CPU or NVMe at stages 1–3; the optimizer and the parameters to CPU or NVMe at stage 3), all
+zeroshard's own residency: :mod:`zeroshard.estimate.residency` says which bytes stay on the GPU,
+which go to host memory and which to swap files, and :mod:`zeroshard.estimate.states` adds the
+communication buffers and ZeRO-3 gathered units. Activations
+(:mod:`zeroshard.estimate.activations`) are added to every row, with and without activation
+checkpointing.
 
-:func:`plan` picks the fastest configuration zeroshard runs today that fits the given memory.
-Fastest first: no activation checkpointing before checkpointing (recomputing the forward costs
-about a third more compute), then stage 0, 1, 2, 3 (ZeRO-3 moves 1.5× the bytes of stages 0–2),
-and for each the largest communication buckets first. A configuration fits when its GPU bytes are
-at most ``(1 - headroom)`` of the GPU memory (the headroom covers the CUDA context, allocator
-fragmentation and temporaries) and its CPU bytes per node at most the CPU memory.
+:func:`plan` picks the fastest configuration that fits. Fastest first: no offload, then the
+optimizer (and parameters) in host memory, then NVMe swap files (only with a disk budget); within
+each, no activation checkpointing before checkpointing (recomputing the forward costs about a
+third more compute, moving the optimizer off the GPU far more), then the lowest stage (ZeRO-3 moves
+1.5× the bytes of stages 0–2; at stage 3 optimizer offload before parameter offload), and for each
+the largest communication buckets (and NVMe sub-groups) first. A configuration fits when its GPU
+bytes are at most ``(1 - headroom)`` of the GPU memory (the headroom covers the CUDA context,
+allocator fragmentation and temporaries), its CPU bytes per node at most the CPU memory and its
+swap files at most the NVMe budget per node.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +29,7 @@ from zeroshard.errors import ZeroshardError
 from zeroshard.estimate.activations import ActivationEstimate, estimate_activations
 from zeroshard.estimate.formulas import estimate_zero2_model_states_mem_needs, estimate_zero3_model_states_mem_needs
 from zeroshard.estimate.model_spec import ModelSpec
+from zeroshard.estimate.residency import Offload, Placement, offloads_for_stage, placement, unit_rows
 from zeroshard.estimate.states import DTYPE_BYTES, Buckets, StateEstimate, model_states
 
 __all__ = ["BUCKET_TIERS", "Estimate", "Hardware", "Plan", "PlanError", "Row", "Training", "estimate", "plan"]
@@ -37,20 +43,25 @@ BUCKET_TIERS: tuple[Buckets, ...] = (
     Buckets(200_000_000, 200_000_000, 200_000_000, 50_000_000),
     Buckets(50_000_000, 50_000_000, 50_000_000, 20_000_000),
 )
+#: optimizer sub-groups the planner tries with NVMe offload (fewer, larger reads first; smaller
+#: ones need less host memory for the swap buffers)
+SUB_GROUP_TIERS = (1_000_000_000, 100_000_000)
 
 
 class PlanError(ZeroshardError):
-    """No configuration zeroshard can run today fits the memory given."""
+    """No configuration fits the memory given, or the one that fits needs an NVMe path."""
 
 
 @dataclass(frozen=True)
 class Hardware:
-    """Where the model trains. Memory figures are bytes; ``cpu_memory`` is per node."""
+    """Where the model trains. Memory figures are bytes; ``cpu_memory`` and ``nvme_memory`` (the
+    disk for swap files; ``None``: no NVMe offload) are per node."""
 
     gpus_per_node: int = 1
     nodes: int = 1
     gpu_memory: int | None = None
     cpu_memory: int | None = None
+    nvme_memory: int | None = None
 
     @property
     def world(self) -> int:
@@ -76,11 +87,12 @@ class Training:
 
 @dataclass(frozen=True)
 class Row:
-    """One line of the table: bytes per GPU and per node for a stage and offload choice.
+    """One line of the table: bytes per GPU, per node and on disk for a stage and offload choice.
 
-    ``source`` is ``"zeroshard"`` (zeroshard's residency, runs today) or ``"DeepSpeed"`` (offload:
-    DeepSpeed's numbers; zeroshard does not offload yet). ``activations`` and
-    ``activations_ckpt`` are ``None`` when unknown.
+    ``model_states`` is what stays on the GPU (offloaded state is in ``cpu_per_node`` or
+    ``nvme_per_node``); ``placement`` has every kind by place, per rank. ``activations`` and
+    ``activations_ckpt`` are ``None`` when unknown. ``source`` is ``"zeroshard"``: every row is
+    zeroshard's own residency, and runs.
     """
 
     stage: int
@@ -93,11 +105,9 @@ class Row:
     source: str
     states: StateEstimate | None = None
     buckets: Buckets | None = None
-
-    @property
-    def runs_today(self) -> bool:
-        """Whether zeroshard can train this configuration now (no offload)."""
-        return self.offload == "none"
+    choice: Offload = Offload()
+    placement: Placement | None = None
+    nvme_per_node: int = 0
 
     def gpu_total(self, checkpointing: bool = False) -> int:
         """Bytes per GPU: model states, buffers and activations (0 when activations are unknown)."""
@@ -127,42 +137,35 @@ def _activations(spec: ModelSpec, training: Training) -> tuple[ActivationEstimat
 
 
 def zeroshard_row(spec: ModelSpec, hardware: Hardware, training: Training, stage: int,
-                  buckets: Buckets | None = None) -> Row:
-    """The row for ``stage`` without offload, as zeroshard runs it."""
+                  buckets: Buckets | None = None, offload: Offload | None = None) -> Row:
+    """The row for ``stage`` and ``offload`` (none when ``None``), as zeroshard runs it."""
     _, act, act_ckpt = _activations(spec, training)
+    buckets = buckets or Buckets()
+    offload = offload or Offload()
     states = model_states(spec, stage, hardware.world, training.dtype, training.grad_accum_dtype, buckets)
+    place = placement(spec, stage, hardware.world, training.dtype, training.grad_accum_dtype, offload,
+                      buckets=buckets)
     # CPU: each process builds its model on the CPU (fp32) before initialize moves it; at ZeRO-3
     # under zero.Init only one module at a time (DeepSpeed's zero_init rows say the same).
     if stage == 3:
-        cpu, _, _ = estimate_zero3_model_states_mem_needs(spec.total_params, spec.largest_layer_params,
-                                                          hardware.gpus_per_node, hardware.nodes, False, False,
-                                                          True, BUFFER_FACTOR)
-    else:
-        cpu, _ = estimate_zero2_model_states_mem_needs(spec.total_params, hardware.gpus_per_node, hardware.nodes,
-                                                       False, BUFFER_FACTOR)
-    return Row(stage, "none", states.total, states.buffers, act, act_ckpt, cpu, "zeroshard", states,
-               buckets or Buckets())
-
-
-def _deepspeed_rows(spec: ModelSpec, hardware: Hardware, act: int | None, act_ckpt: int | None) -> list[Row]:
-    rows = []
-    gpn, nodes, psi = hardware.gpus_per_node, hardware.nodes, spec.total_params
-    cpu, gpu = estimate_zero2_model_states_mem_needs(psi, gpn, nodes, True, BUFFER_FACTOR)
-    for stage in (1, 2):
-        rows.append(Row(stage, "optimizer", gpu, 0, act, act_ckpt, cpu, "DeepSpeed"))
-    for offload, params in (("optimizer", False), ("optimizer+params", True)):
-        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(psi, spec.largest_layer_params, gpn, nodes, True, params,
+        build, _, _ = estimate_zero3_model_states_mem_needs(spec.total_params, spec.largest_layer_params,
+                                                            hardware.gpus_per_node, hardware.nodes, False, False,
                                                             True, BUFFER_FACTOR)
-        rows.append(Row(3, offload, gpu, 0, act, act_ckpt, cpu, "DeepSpeed"))
-    return rows
+    else:
+        build, _ = estimate_zero2_model_states_mem_needs(spec.total_params, hardware.gpus_per_node, hardware.nodes,
+                                                         False, BUFFER_FACTOR)
+    # The offloaded state is made by initialize and the first step, once the model's CPU copy has
+    # moved to the GPU: the node needs the larger of the two, not their sum.
+    cpu = max(build, hardware.gpus_per_node * place.host)
+    return Row(stage, offload.label, place.device, states.buffers, act, act_ckpt, cpu, "zeroshard", states,
+               buckets, offload, place, hardware.gpus_per_node * place.file)
 
 
 def estimate(spec: ModelSpec, hardware: Hardware, training: Training) -> Estimate:
-    """Every stage without offload (zeroshard) and with offload (DeepSpeed's numbers)."""
-    act_est, act, act_ckpt = _activations(spec, training)
-    rows = [zeroshard_row(spec, hardware, training, stage) for stage in range(4)]
-    rows += _deepspeed_rows(spec, hardware, act, act_ckpt)
-    rows.sort(key=lambda r: (r.stage, r.source != "zeroshard"))
+    """Every stage with every offload choice it runs, at DeepSpeed's default sizes."""
+    act_est, _, _ = _activations(spec, training)
+    rows = [zeroshard_row(spec, hardware, training, stage, offload=off)
+            for stage in range(4) for off in offloads_for_stage(stage)]
     return Estimate(spec, hardware, training, act_est, rows)
 
 
@@ -181,12 +184,17 @@ def _fits(row: Row, hardware: Hardware, checkpointing: bool, headroom: float) ->
     assert hardware.gpu_memory is not None
     if row.gpu_total(checkpointing) > (1 - headroom) * hardware.gpu_memory:
         return False
+    if row.nvme_per_node and (hardware.nvme_memory is None or row.nvme_per_node > hardware.nvme_memory):
+        return False
     return hardware.cpu_memory is None or row.cpu_per_node <= hardware.cpu_memory
 
 
-def ds_config(row: Row, training: Training, lr: float = 1e-4) -> dict[str, Any]:
+def ds_config(row: Row, training: Training, lr: float = 1e-4, nvme_path: str | None = None,
+              largest_unit: int = 0) -> dict[str, Any]:
     """A DeepSpeed config (that zeroshard accepts) for a zeroshard row: batch size per GPU (so it
-    runs at any world size), precision, AdamW, and the row's stage and bucket sizes."""
+    runs at any world size), precision, AdamW, the row's stage, bucket sizes and offload blocks
+    (swap files under ``nvme_path``; ``largest_unit``: elements of the largest ZeRO-3 unit, which
+    the parameter swap buffers must hold)."""
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": training.micro_batch,
         "gradient_accumulation_steps": 1,
@@ -202,12 +210,27 @@ def ds_config(row: Row, training: Training, lr: float = 1e-4) -> dict[str, Any]:
     if row.stage >= 1:
         zero["overlap_comm"] = True
     zero.update((row.buckets or Buckets()).config(row.stage))
+    zero.update(row.choice.config(nvme_path, largest_unit))
     cfg["zero_optimization"] = zero
     return cfg
 
 
 def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
+
+
+def _candidates(spec: ModelSpec, hardware: Hardware, training: Training, tier: int) -> Iterator[Row]:
+    """The rows of one offload tier, fastest first: lowest stage, optimizer offload before
+    parameter offload, largest sub-groups and buckets."""
+    sub_groups: tuple[int | None, ...] = SUB_GROUP_TIERS if tier == 2 else (None,)
+    for stage in range(4):
+        for index in range(len(offloads_for_stage(stage))):
+            for sub_group in sub_groups:
+                off = offloads_for_stage(stage, sub_group)[index]
+                if off.tier != tier:
+                    continue
+                for buckets in BUCKET_TIERS:
+                    yield zeroshard_row(spec, hardware, training, stage, buckets, off)
 
 
 def _min_gpus(spec: ModelSpec, hardware: Hardware, training: Training, checkpointing: bool,
@@ -228,7 +251,7 @@ def _no_fit_hint(spec: ModelSpec, hardware: Hardware, training: Training, checkp
     """What would make ZeRO-3 fit: more GPUs, more CPU memory, or smaller activations."""
     need = _min_gpus(spec, hardware, training, checkpointing, headroom)
     if need:
-        return f"ZeRO-3 would fit on {need} GPUs of this size"
+        return f"ZeRO-3 without offload would fit on {need} GPUs of this size"
     gpu_only = Hardware(hardware.gpus_per_node, hardware.nodes, hardware.gpu_memory, None)
     need = _min_gpus(spec, gpu_only, training, checkpointing, headroom)
     if need:
@@ -239,12 +262,27 @@ def _no_fit_hint(spec: ModelSpec, hardware: Hardware, training: Training, checkp
             "buffers, the gathered largest layers) exceeds the memory; lower --micro-batch or --seq-len")
 
 
-def plan(spec: ModelSpec, hardware: Hardware, training: Training, headroom: float = 0.1) -> Plan:
-    """The fastest configuration zeroshard runs today that fits ``hardware``'s memory.
+def _offload_notes(row: Row, hardware: Hardware, nvme_path: str | None) -> list[str]:
+    notes = []
+    if row.choice.optimizer != "none":
+        notes.append(f"{row.choice.label}: the optimizer steps on the CPU ({_gib(row.cpu_per_node)} of host "
+                     "memory per node)")
+        if hardware.cpu_memory is None:
+            notes.append("host memory was not checked (no --cpu-memory given)")
+    if row.choice.uses_nvme:
+        notes.append(f"swap files go under {nvme_path}: {_gib(row.nvme_per_node)} per node, on a local NVMe drive "
+                     "(one directory per process, removed at exit)")
+    return notes
+
+
+def plan(spec: ModelSpec, hardware: Hardware, training: Training, headroom: float = 0.1,
+         nvme_path: str | None = None) -> Plan:
+    """The fastest configuration that fits ``hardware``'s memory (NVMe offload only when
+    ``hardware.nvme_memory`` is given; its swap files go under ``nvme_path``).
 
     Raises:
-        PlanError: nothing fits; the message says whether offload (not yet supported) would, or
-            how many GPUs ZeRO-3 needs.
+        PlanError: nothing fits (the message says how many GPUs ZeRO-3 needs, or that NVMe offload
+            would fit), or the fastest fit is an NVMe one and ``nvme_path`` is ``None``.
     """
     if hardware.gpu_memory is None:
         raise ValueError("plan() needs hardware.gpu_memory")
@@ -254,36 +292,55 @@ def plan(spec: ModelSpec, hardware: Hardware, training: Training, headroom: floa
     if act is None:
         notes.append("activations are not included (a factory model or a bare count): pass a Hugging Face "
                      "config or --activation-bytes to count them")
-    for checkpointing in ckpt_choices:
-        for stage in range(4):
-            for buckets in BUCKET_TIERS:
-                row = zeroshard_row(spec, hardware, training, stage, buckets)
+    tiers = (0, 1, 2) if hardware.nvme_memory is not None else (0, 1)
+    for tier in tiers:
+        for checkpointing in ckpt_choices:
+            for row in _candidates(spec, hardware, training, tier):
                 if _fits(row, hardware, checkpointing, headroom):
-                    if checkpointing:
-                        notes.append("activation checkpointing is needed: enable it in the model "
-                                     "(model.gradient_checkpointing_enable() for Hugging Face models, or "
-                                     "torch.utils.checkpoint around each layer); zeroshard does not take it "
-                                     "from the config's activation_checkpointing block yet")
-                    if stage == 3:
-                        notes.append("the CPU figure assumes the model is built under "
-                                     "zeroshard.zero.Init(config_dict_or_path=...), one module at a time")
-                    return Plan(row, checkpointing, ds_config(row, training), notes)
+                    return _chosen(spec, row, checkpointing, training, hardware, nvme_path, notes)
+    raise PlanError(_nothing_fits(spec, hardware, training, headroom, ckpt_choices[-1]))
+
+
+def _chosen(spec: ModelSpec, row: Row, checkpointing: bool, training: Training, hardware: Hardware,
+            nvme_path: str | None, notes: list[str]) -> Plan:
+    if row.choice.uses_nvme and nvme_path is None:
+        raise PlanError(f"the fastest configuration that fits is stage {row.stage} with {row.choice.label} "
+                        f"({_gib(row.nvme_per_node)} of swap files per node): give nvme_path (--nvme-path), "
+                        "the directory on the NVMe drive where they go")
+    if checkpointing:
+        notes.append("activation checkpointing is needed: enable it in the model "
+                     "(model.gradient_checkpointing_enable() for Hugging Face models, or "
+                     "torch.utils.checkpoint around each layer); zeroshard does not take it "
+                     "from the config's activation_checkpointing block yet")
+    if row.stage == 3:
+        notes.append("the CPU figure assumes the model is built under "
+                     "zeroshard.zero.Init(config_dict_or_path=...), one module at a time")
+    notes += _offload_notes(row, hardware, nvme_path)
+    largest_unit = max(unit_rows(spec, 1), default=0)
+    return Plan(row, checkpointing, ds_config(row, training, nvme_path=nvme_path, largest_unit=largest_unit), notes)
+
+
+def _nothing_fits(spec: ModelSpec, hardware: Hardware, training: Training, headroom: float, last: bool) -> str:
+    """Why nothing fits, and what would."""
+    assert hardware.gpu_memory is not None
     budget = (1 - headroom) * hardware.gpu_memory
-    est = estimate(spec, hardware, training)
-    offload = [r for r in est.rows if not r.runs_today
-               and any(_fits(r, hardware, ck, headroom) for ck in ckpt_choices)]
-    last = ckpt_choices[-1]
-    best = min((r for r in est.rows if r.runs_today), key=lambda r: r.gpu_total(last))
-    msg = (f"no configuration zeroshard runs today fits: the smallest, stage {best.stage}"
-           f"{' with activation checkpointing' if last else ''}, needs {_gib(best.gpu_total(last))} per GPU "
+    rows = estimate(spec, hardware, training).rows
+    allowed = [r for r in rows if hardware.nvme_memory is not None or not r.choice.uses_nvme]
+    best = min(allowed, key=lambda r: r.gpu_total(last))
+    msg = (f"no configuration fits: the smallest on the GPU, stage {best.stage} with offload {best.offload}"
+           f"{' and activation checkpointing' if last else ''}, needs {_gib(best.gpu_total(last))} per GPU "
            f"(limit {_gib(budget)}: {_gib(hardware.gpu_memory)} less {headroom:.0%} headroom)")
     if hardware.cpu_memory is not None and best.cpu_per_node > hardware.cpu_memory:
         msg += f" and {_gib(best.cpu_per_node)} of CPU memory per node (limit {_gib(hardware.cpu_memory)})"
-    if offload:
-        r = offload[0]
-        msg += (f". DeepSpeed's estimate says stage {r.stage} with {r.offload} offloaded to the CPU would fit "
-                f"({_gib(r.gpu_total(last))} per GPU, {_gib(r.cpu_per_node)} CPU per node), but offload is not "
-                "yet supported by zeroshard")
-    else:
-        msg += f". It does not fit with offload either; {_no_fit_hint(spec, hardware, training, last, headroom)}"
-    raise PlanError(msg)
+    if hardware.nvme_memory is not None and best.nvme_per_node > hardware.nvme_memory:
+        msg += f" and {_gib(best.nvme_per_node)} of NVMe per node (limit {_gib(hardware.nvme_memory)})"
+    if hardware.nvme_memory is None:
+        unlimited = Hardware(hardware.gpus_per_node, hardware.nodes, hardware.gpu_memory, hardware.cpu_memory,
+                             nvme_memory=2**62)
+        nvme = next((r for r in _candidates(spec, unlimited, training, 2) if _fits(r, unlimited, last, headroom)),
+                    None)
+        if nvme is not None:
+            return (msg + f". With NVMe offload it would fit: stage {nvme.stage} with {nvme.offload} needs "
+                    f"{_gib(nvme.gpu_total(last))} per GPU, {_gib(nvme.cpu_per_node)} of CPU memory and "
+                    f"{_gib(nvme.nvme_per_node)} of NVMe per node; give --nvme-gb (disk per node) and --nvme-path")
+    return msg + f". {_no_fit_hint(spec, hardware, training, last, headroom)}"

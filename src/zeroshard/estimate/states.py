@@ -9,14 +9,15 @@ them out):
 key                   stage 0     stage 1     stage 2     stage 3
 ====================  ==========  ==========  ==========  =========================
 ``parameters``        cΨ          cΨ          cΨ          c·(persistent units)
-``parameter_shard``   –           –           –           cΨ/N (16-bit only)
 ``gradients``         aΨ          aΨ          aΨ/N        aΨ/N
 ``master_weights``    4Ψ (16-bit) 4Ψ/N        4Ψ/N        4Ψ/N
 ``optimizer_states``  8Ψ          8Ψ/N        8Ψ/N        8Ψ/N
 ====================  ==========  ==========  ==========  =========================
 
-In fp32 training the masters at stages 0–2 are the module's parameters (0 bytes), and at stage 3
-the parameter shard is the master shard. Beyond the model state, a rank holds reused
+In fp32 training the masters at stages 0–2 are the module's parameters (0 bytes). Stage 3 keeps no
+compute-dtype parameter shard: units are gathered from the fp32 master shard, cast on the way
+(:mod:`zeroshard.estimate.residency` has the offload cases, where one is kept). Stage 1's gradient
+accumulator holds every rank's padded rows (N·⌈Ψ/N⌉ per parameter). Beyond the model state, a rank holds reused
 communication buffers (stages 2–3: up to 3 reduce buckets in the accumulation dtype; stages 1–2
 with N > 1: 2 all-gather buffer pairs in the compute dtype) and, at ZeRO-3, gathered units: up
 to ``stage3_max_live_parameters`` plus the prefetch and the units in use.
@@ -119,9 +120,7 @@ def model_states(spec: ModelSpec, stage: int, world: int, dtype: str = "bf16", g
     shard = psi if stage == 0 else _padded(spec.param_numels, psi, world)
     persistent = sum(u for u in spec.units or () if u <= persistence_threshold) if stage == 3 else 0
     out: dict[str, int] = {"parameters": c * (persistent if stage == 3 else psi)}
-    if stage == 3 and mixed:
-        out["parameter_shard"] = c * shard
-    out["gradients"] = a * (shard if stage >= 2 else psi)
+    out["gradients"] = a * (shard if stage >= 2 else shard * world if stage == 1 else psi)
     out["master_weights"] = 4 * shard if (mixed or stage == 3) else 0
     out["optimizer_states"] = 8 * shard
     out["total"] = sum(out.values())

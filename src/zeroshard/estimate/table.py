@@ -10,7 +10,7 @@ from zeroshard.estimate.planner import Estimate, Plan
 __all__ = ["format_bytes", "render_estimate", "render_plan"]
 
 _HEADERS = ("stage", "offload", "model states", "buffers", "GPU total", "GPU, act. ckpt", "CPU per node",
-            "zeroshard")
+            "NVMe per node")
 
 
 def format_bytes(n: int | float | None) -> str:
@@ -59,17 +59,20 @@ def render_estimate(est: Estimate) -> str:
                      "--activation-bytes); GPU totals below are without them")
     cells = [_HEADERS]
     for r in est.rows:
-        cells.append((str(r.stage), r.offload, format_bytes(r.model_states),
-                      format_bytes(r.buffers) if r.source == "zeroshard" else "-",
+        cells.append((str(r.stage), r.offload, format_bytes(r.model_states), format_bytes(r.buffers),
                       format_bytes(r.gpu_total(False)), format_bytes(r.gpu_total(True)), format_bytes(r.cpu_per_node),
-                      "yes" if r.runs_today else "not yet (DeepSpeed's numbers)"))
-    lines += ["", *_grid(cells, right={2, 3, 4, 5, 6}), ""]
+                      format_bytes(r.nvme_per_node) if r.nvme_per_node else "-"))
+    lines += ["", *_grid(cells, right={2, 3, 4, 5, 6, 7}), ""]
     lines += [
-        "model states: parameters, gradients, fp32 master weights, Adam's moments (engine.memory_usage()).",
+        "model states: parameters, gradients, fp32 master weights, Adam's moments that stay on the GPU "
+        "(engine.memory_usage()).",
         "buffers: communication buckets at DeepSpeed's default sizes; at stage 3 also the gathered parameters.",
         "GPU total: model states + buffers + activations; add ~1 GiB for the CUDA context.",
-        "CPU per node: every process builds the model on the CPU (stage 3: under zero.Init), x1.5 as DeepSpeed.",
-        "Offload rows are DeepSpeed's estimator (their buffers included): zeroshard does not offload yet.",
+        "CPU per node: the larger of building the model (every process builds it on the CPU, stage 3 under "
+        "zero.Init; x1.5 as DeepSpeed) and the offloaded state of the node's processes (masters, Adam's "
+        "moments, gradient shards, swap buffers).",
+        "NVMe per node: swap files under nvme_path (masters and Adam's moments; with params->nvme the parameter "
+        "shards), at DeepSpeed's default sub_group_size and buffer_count.",
     ]
     return "\n".join(lines)
 
@@ -78,9 +81,11 @@ def render_plan(plan: Plan, path: str | None) -> str:
     """What the planner chose, and where the config went."""
     r = plan.row
     ckpt = " with activation checkpointing" if plan.checkpointing else ""
+    offload = "" if r.offload == "none" else f", offload {r.offload}"
     buckets = f"; reduce buckets of {format_count(r.buckets.reduce_bucket_size)} elements" if r.buckets else ""
-    lines = [f"chosen: ZeRO stage {r.stage}{ckpt}, {format_bytes(r.gpu_total(plan.checkpointing))} per GPU, "
-             f"{format_bytes(r.cpu_per_node)} CPU per node{buckets}"]
+    nvme = f", {format_bytes(r.nvme_per_node)} NVMe per node" if r.nvme_per_node else ""
+    lines = [f"chosen: ZeRO stage {r.stage}{offload}{ckpt}, {format_bytes(r.gpu_total(plan.checkpointing))} per GPU, "
+             f"{format_bytes(r.cpu_per_node)} CPU per node{nvme}{buckets}"]
     lines += [f"note: {n}" for n in plan.notes]
     if path:
         lines.append(f"wrote {path}")

@@ -338,9 +338,9 @@ class SwappedStateStore(StateStore):
         buffers = sum(s.nbytes for s in self.slots)
         scalars = sum(v.numel() * v.element_size() for st in self._opt.state.values() for v in st.values()
                       if isinstance(v, torch.Tensor) and v.device.type != "meta") if self.optimizer else 0
-        out: dict[str, dict[str, int]] = {
-            "optimizer_states": {"file": self.file_bytes * len(self.keys), place: buffers, "host": scalars},
-        }
+        states = {"file": self.file_bytes * len(self.keys), "host": scalars}
+        states[place] = states.get(place, 0) + buffers
+        out: dict[str, dict[str, int]] = {"optimizer_states": states}
         if self.swap_masters:
             out["master_weights"] = {"file": self.file_bytes}
         else:

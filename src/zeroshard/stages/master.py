@@ -47,6 +47,9 @@ class MasterShard:
         self.numel = sum(b.numel for b in buckets)
         self.aliased = alias_params
         self.device = device
+        #: where the stage 1-2 all-gather buffers live: the training device, also when the masters
+        #: are in host memory (set by the optimizer; NCCL gathers device tensors only)
+        self.comm_device = device
         self.swapped = swapped and not alias_params
         # Page-locked with CPU optimizer offload on an accelerator: updated masters then reach the
         # device by asynchronous copies that overlap the step of the next sub-group.
@@ -176,8 +179,8 @@ class MasterShard:
             self._gather_buffers.append((torch.empty(0), torch.empty(0)))
         send, out = self._gather_buffers[slot]
         if send.dtype != dtype or send.numel() < rows:
-            send = torch.empty(rows, dtype=dtype, device=self.device)
-            out = torch.empty(world * rows, dtype=dtype, device=self.device)
+            send = torch.empty(rows, dtype=dtype, device=self.comm_device)
+            out = torch.empty(world * rows, dtype=dtype, device=self.comm_device)
             self._gather_buffers[slot] = (send, out)
         return send, out
 

@@ -114,6 +114,7 @@ class ZeroOptimizer:
         self.master = MasterShard(self.buckets, self.rank if layout_world > 1 else 0, master_device,
                                   alias_params=alias, swapped=self.offload.optimizer.value == "file",
                                   pin=should_pin(self.offload.pin_memory, device))
+        self.master.comm_device = device
         #: where master weights and optimizer state live, and the one way to read or write them
         self.store = make_state_store(self.master, self.offload, device, self.rank)
         if self.master.swapped and spec.stage < 3:
@@ -284,6 +285,9 @@ class ZeroOptimizer:
         pinned = acc_device.type == "cpu" and self.device.type != "cpu" and torch.cuda.is_available()
         out["gradients"] = {"device" if acc_device.type != "cpu" else ("pinned_host" if pinned else "host"):
                             self.sync.bytes_held()}
+        if self.master.pack_source is not self.master.flat:  # stages 1-2 with the masters in files
+            src = self.master.pack_source
+            out["parameter_shard"] = {"device" if src.device.type != "cpu" else "host": src.numel() * src.element_size()}
         return out
 
     def memory_breakdown(self) -> dict[str, int]:
@@ -295,4 +299,6 @@ class ZeroOptimizer:
             "master_weights": _in_memory(held["master_weights"]),
             "optimizer_states": _in_memory(held["optimizer_states"]),
             "comm_workspace": self.sync.workspace_bytes() + self.master.workspace_bytes(),
+            **({"parameter_shard": self.master.pack_source.numel() * self.master.pack_source.element_size()}
+               if self.master.pack_source is not self.master.flat else {}),
         }
