@@ -12,7 +12,8 @@ def test_sections_and_checks() -> None:
     assert list(sections) == ["general", "accelerators", "torch.distributed backends", "features", "packages"]
     labels = {c.label for checks in sections.values() for c in checks}
     for label in ("zeroshard", "python", "torch", "NCCL", "cuDNN", "gloo", "nccl", "pinned memory",
-                  "async I/O (NVMe offload)", "fast CPU optimizer", "transformers", "accelerate", "tensorboard", "wandb"):
+                  "async I/O (NVMe offload)", "fast CPU optimizer", "transformers", "accelerate", "tensorboard",
+                  "wandb"):
         assert label in labels, label
     statuses = {c.status for checks in sections.values() for c in checks}
     assert statuses <= {report.OKAY, report.NO, report.WARN, report.INFO}

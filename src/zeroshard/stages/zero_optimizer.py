@@ -33,8 +33,8 @@ import torch.distributed as dist
 
 from zeroshard.comm import collectives as C
 from zeroshard.offload import OffloadPolicy
-from zeroshard.offload.policy import should_pin
 from zeroshard.offload.factory import make_state_store, optimizer_state_device
+from zeroshard.offload.policy import should_pin
 from zeroshard.partition import Bucket, make_buckets
 from zeroshard.precision import LossScaler, PrecisionPolicy
 from zeroshard.stages import host_memory
@@ -287,7 +287,8 @@ class ZeroOptimizer:
                             self.sync.bytes_held()}
         if self.master.pack_source is not self.master.flat:  # stages 1-2 with the masters in files
             src = self.master.pack_source
-            out["parameter_shard"] = {"device" if src.device.type != "cpu" else "host": src.numel() * src.element_size()}
+            place = "device" if src.device.type != "cpu" else "host"
+            out["parameter_shard"] = {place: src.numel() * src.element_size()}
         return out
 
     def memory_breakdown(self) -> dict[str, int]:
