@@ -71,7 +71,13 @@ def _child(args: argparse.Namespace) -> None:
         engine.backward(loss)
         sync()
         t2 = time.perf_counter()
-        engine.step()
+        if args.profile and len(times) == args.steps - 1:  # where the last step's time goes, by operator
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                engine.step()
+                sync()
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12), file=sys.stderr)
+        else:
+            engine.step()
         sync()
         times.append(time.perf_counter() - t)
         phases.append((t1 - t, t2 - t1, time.perf_counter() - t2))
@@ -99,6 +105,7 @@ def main() -> None:
     ap.add_argument("--configs", default="none,cpu,cpu+params")
     ap.add_argument("--nvme", default="/tmp/zeroshard-nvme")
     ap.add_argument("--timeout", type=float, default=200)
+    ap.add_argument("--profile", action="store_true", help="print the last step's top CPU operators")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -112,7 +119,7 @@ def main() -> None:
     for name in args.configs.split(","):
         cmd = [sys.executable, __file__, "--child", name, "--layers", str(args.layers), "--d-model",
                str(args.d_model), "--seq", str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps),
-               "--sub-group", str(args.sub_group), "--nvme", args.nvme]
+               "--sub-group", str(args.sub_group), "--nvme", args.nvme] + (["--profile"] if args.profile else [])
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
         except subprocess.TimeoutExpired:
@@ -123,6 +130,8 @@ def main() -> None:
             print(f"| {name} | failed: {proc.stderr.strip().splitlines()[-1:] } |")
             continue
         r = json.loads(line[7:])
+        if args.profile:
+            print("\n".join(ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("[")), flush=True)
         print(f"| {name} | {r['params'] / 1e9:.2f}B | {r['step_s']} | {r['tokens_per_s']} | {r['peak_device_gib']} | "
               f"{r['peak_host_rss_gib']} | {r['setup_s']} | {r['losses']} |", flush=True)
         print(f"<!-- {name}: last step forward/backward/step s {r['forward_backward_step_s']}; placement GiB "
