@@ -63,6 +63,9 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
         self._coordinator = getattr(optimizer, "coordinator", None)
         if self._coordinator is not None:  # its errors name the step
             self._coordinator.step = lambda: self.global_steps
+            swap = getattr(getattr(optimizer, "shard", None), "swap", None)
+            if swap is not None:  # NVMe parameter offload: its I/O errors name the step too
+                swap.step = lambda: self.global_steps
             time_forward_gathers(list(self._coordinator.module_units), self.timers)
         #: the config's monitors (TensorBoard, CSV, W&B, Comet); they write from rank 0
         self.monitor = MonitorMaster(config, self.global_rank)

@@ -18,6 +18,7 @@ or unit-by-unit writes to the file).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -71,7 +72,8 @@ class ParamSwapFile:
         self.io = AsyncIO(a.block_size, a.queue_depth, a.threads)
         self.numel = {b.index: b.numel for b in buckets}
         self.pool = BufferPool(policy.param_buffer_count, max(largest, 1), dtype, pin)
-        self.step: int | None = None  # the engine's step, for error messages
+        #: the engine's step counter, for error messages (set by the engine)
+        self.step: Callable[[], int] | None = None
 
     def read(self, index: int) -> PendingRead:
         """Start reading unit ``index``'s chunk."""
@@ -92,7 +94,7 @@ class ParamSwapFile:
             self.pool.release(buf)
 
     def _what(self, index: int) -> str:
-        return f"ZeRO-3 parameter shard of unit {index}" + (f", step {self.step}" if self.step is not None else "")
+        return f"ZeRO-3 parameter shard of unit {index}" + (f", step {self.step()}" if self.step is not None else "")
 
     @property
     def file_bytes(self) -> int:

@@ -48,7 +48,11 @@ class Stage3Optimizer(ZeroOptimizer):
         super().__init__(param_groups, spec, policy, scaler, group, device, offload)
         dtype = policy.param_dtype
         #: the compute-dtype shard, where the offload policy puts it (device, host or a file)
-        self.shard = make_param_shard(self.master, self.buckets, self.offload, dtype, device, self.rank)
+        try:
+            self.shard = make_param_shard(self.master, self.buckets, self.offload, dtype, device, self.rank)
+        except BaseException:
+            self.store.close()  # its swap files were made under a good path: do not leave them
+            raise
         if not self.shard.aliased:
             self.store.publish = self.shard.publish
         names = {p: n for n, p in module.named_parameters()}
