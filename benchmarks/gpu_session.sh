@@ -8,13 +8,7 @@
 #
 # Wheels in .whl/ (git-ignored; pydantic, safetensors, tqdm for the device's Python) are installed
 # when the device lacks them.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT_DIR="${OUT:-benchmarks/results}"
-mkdir -p "$OUT_DIR"
-export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-python -c 'import pydantic, safetensors, tqdm' 2>/dev/null || \
-    python -m pip install -q --no-index --no-deps --break-system-packages .whl/*.whl 2>&1 | tail -2
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())'
 echo "== benchmark"

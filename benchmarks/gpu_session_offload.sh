@@ -2,13 +2,7 @@
 # The prepared GPU check of the offload session (about 8 minutes of command time): CUDA parity of
 # offload and of ZeRO-3 (after its memory changes), the offload demo (tokens/s, peak device and
 # host memory), then ZeRO-3 against FSDP2 at 1.2B (peak device memory, step time).
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT_DIR="${OUT:-benchmarks/results}"
-mkdir -p "$OUT_DIR"
-export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-python -c 'import pydantic, safetensors, tqdm' 2>/dev/null || \
-    python -m pip install -q --no-index --no-deps --break-system-packages .whl/*.whl 2>&1 | tail -2
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; free -g | head -2; df -h /tmp | tail -1
 echo "== CUDA tests: offload, and parity at every stage"
 timeout 150 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_offload_cuda.py "tests/gpu/test_cuda.py::test_cuda_parity" 2>&1 \

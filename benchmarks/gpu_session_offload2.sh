@@ -2,13 +2,7 @@
 # Second prepared GPU check of the offload session (about 5 minutes): the CUDA offload tests after
 # page-locked masters and asynchronous publishing, then where a CPU-offload and an NVMe step's time
 # goes (per-phase seconds and the top CPU operators of one step).
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT_DIR="${OUT:-benchmarks/results}"
-mkdir -p "$OUT_DIR"
-export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-python -c 'import pydantic, safetensors, tqdm' 2>/dev/null || \
-    python -m pip install -q --no-index --no-deps --break-system-packages .whl/*.whl 2>&1 | tail -2
+source "$(dirname "$0")/gpu_env.sh"
 nproc; python -c 'import torch; print("threads", torch.get_num_threads())'
 echo "== CUDA offload tests"
 timeout 60 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_offload_cuda.py 2>&1 \

@@ -18,13 +18,13 @@ warm-up run before the baseline loads the code paths (shared-library pages count
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import rss
 import torch
 from harness import run_distributed
 
@@ -41,21 +41,8 @@ MiB = 2**20
 RESHARD = {"stage3_max_live_parameters": 3_200_000, "stage3_prefetch_bucket_size": 3_200_000}
 
 
-def _status() -> dict[str, int]:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(value.split()[0]) * 1024
-    return out
-
-
-def _baseline() -> dict[str, int]:
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
-    return _status()
+_status = rss.status
+_baseline = rss.reset_peak
 
 
 def _growth(base: dict[str, int]) -> dict[str, int]:

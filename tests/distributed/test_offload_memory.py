@@ -26,12 +26,12 @@ in memory) stays a small part of the 8Ψ in the files.
 
 from __future__ import annotations
 
-import gc
 import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+import rss
 import torch
 from harness import run_distributed
 from torch import nn
@@ -58,21 +58,8 @@ class Deep(nn.Module):
         return x.square().mean()
 
 
-def _status() -> dict[str, int]:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(value.split()[0]) * 1024
-    return out
-
-
-def _baseline() -> dict[str, int]:
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
-    return _status()
+_status = rss.status
+_baseline = rss.reset_peak
 
 
 def _config(stage: int, nvme: str | None) -> dict[str, Any]:
