@@ -42,7 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sizes", help=f"comma-separated sizes from {sorted(SIZES)} (default 25m,120m; quick: 25m)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated systems (default: all)")
     p.add_argument("--stages", default="0,1,2,3", help="ZeRO stages for zeroshard and DeepSpeed")
-    p.add_argument("--offload", action="store_true", help="also run the 2+offload and 3+offload variants")
+    p.add_argument("--offload", action="store_true",
+                   help="also run the 2+offload and 3+offload variants, and (CPU) benchmarks/offload.py")
     p.add_argument("--paired", action=argparse.BooleanOptionalAction, default=None,
                    help="time the systems of each stage side by side (default: on, off with --quick)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in write_reports(results, meta, args.out, args.markdown):
         print(f"wrote {p}")
     run.partial.unlink(missing_ok=True)
-    fatal = False
+    fatal = args.offload and args.device == "cpu" and not _offload_section(args)
     for r in results + paired:
         if r["status"] != "failed":
             continue
@@ -139,6 +140,22 @@ def main(argv: list[str] | None = None) -> int:
         who = "PAIRED JOB FAILED" if is_paired else "FAILED" if ours else "PEER FAILED (recorded, not an error)"
         print(f"{who} {r['key']}: {r.get('reason')} (logs: {r.get('logs')})", file=sys.stderr)
     return 1 if fatal else 0
+
+
+def _offload_section(args: argparse.Namespace) -> bool:
+    """``--offload`` on CPU: run ``benchmarks/offload.py`` (zeroshard and DeepSpeed, CPU and NVMe offload,
+    I/O bounds, parity), write ``<out>/offload.md`` and append it to the markdown report. (``report.py``
+    re-renders the report without it.) False when a zeroshard offload run failed."""
+    from benchmarks.offload import main as offload_main
+    from benchmarks.report import default_markdown
+
+    out = args.out / "offload.md"
+    ok = offload_main(["--out", str(out)]) == 0
+    md = args.markdown or default_markdown(args.device, args.out)
+    section = out.read_text().replace("\n## ", "\n### ").replace("# ", "## ", 1)
+    md.write_text(md.read_text() + "\n" + section)
+    print(f"appended {out} to {md}")
+    return ok
 
 
 def _summary(r: dict[str, Any]) -> str:

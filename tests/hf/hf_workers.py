@@ -18,6 +18,8 @@ import torch
 
 STAGES = (0, 1, 2, 3)
 MICRO, GAS, STEPS, SAVE_AT, SEQ, VOCAB = 2, 2, 6, 3, 16, 128
+#: Trainer runs with offload (first run only, not resumed): name -> (stage, optimizer device, parameter device)
+OFFLOAD = {"stage2_offload_cpu": (2, "cpu", "none"), "stage3_offload_nvme": (3, "nvme", "nvme")}
 
 
 def enable_layer() -> None:
@@ -32,9 +34,10 @@ def token_rows(n: int, seed: int) -> torch.Tensor:
     return (start + torch.arange(SEQ)) % VOCAB
 
 
-def auto_config(stage: int) -> dict[str, Any]:
-    """A DeepSpeed config full of ``"auto"``, as in Hugging Face's documentation."""
-    return {
+def auto_config(stage: int, offload: tuple[str, str] = ("none", "none"), nvme_path: str = "") -> dict[str, Any]:
+    """A DeepSpeed config full of ``"auto"``, as in Hugging Face's documentation; ``offload`` is the
+    (optimizer, parameter) device of ``offload_optimizer`` / ``offload_param`` (``nvme`` under ``nvme_path``)."""
+    config = {
         "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
         "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
                                                   "weight_decay": "auto"}},
@@ -47,6 +50,10 @@ def auto_config(stage: int) -> dict[str, Any]:
         "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
         "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
     }
+    for key, device in zip(("offload_optimizer", "offload_param"), offload, strict=True):
+        if device != "none":
+            config["zero_optimization"][key] = {"device": device, "nvme_path": nvme_path}
+    return config
 
 
 def fresh_accelerate_state() -> None:
@@ -101,11 +108,14 @@ def trainer_worker(rank: int, world: int, root: str, resume: bool) -> dict[str, 
     rows = token_rows(world * MICRO * GAS * STEPS, seed=1)
     data = [{"input_ids": r, "labels": r} for r in rows]
     out: dict[str, Any] = {}
-    for stage in STAGES:
+    cases = {f"stage{stage}": (stage, "none", "none") for stage in STAGES} | ({} if resume else OFFLOAD)
+    for name, (stage, opt_device, param_device) in cases.items():
         fresh_accelerate_state()
-        run = f"{root}/stage{stage}" + ("/resumed_run" if resume else "")
+        run = f"{root}/{name}" + ("/resumed_run" if resume else "")
+        # every rank names the same nvme_path (the configs must agree); each gets its own swap directory
+        config = auto_config(stage, (opt_device, param_device), f"{root}/nvme")
         args = TrainingArguments(
-            output_dir=run, deepspeed=auto_config(stage), accelerator_config={"use_configured_state": True},
+            output_dir=run, deepspeed=config, accelerator_config={"use_configured_state": True},
             per_device_train_batch_size=MICRO, gradient_accumulation_steps=GAS, max_steps=STEPS, save_steps=SAVE_AT,
             learning_rate=3e-3, adam_beta2=0.98, adam_epsilon=1e-7, weight_decay=0.01, max_grad_norm=0.5,
             warmup_steps=1, logging_steps=1, report_to=[], seed=0, disable_tqdm=True)
@@ -115,16 +125,18 @@ def trainer_worker(rank: int, world: int, root: str, resume: bool) -> dict[str, 
         if resume:
             seen = _step_log()
             trainer.add_callback(seen)
-            trainer.train(resume_from_checkpoint=f"{root}/stage{stage}/checkpoint-{SAVE_AT}")
-            trainer.save_model(f"{root}/stage{stage}/resumed")
-            out[f"stage{stage}"] = {"steps_run": seen.steps, "losses": seen.losses}
+            trainer.train(resume_from_checkpoint=f"{root}/{name}/checkpoint-{SAVE_AT}")
+            trainer.save_model(f"{root}/{name}/resumed")
+            out[name] = {"steps_run": seen.steps, "losses": seen.losses}
             continue
         trainer.train()
-        trainer.save_model(f"{root}/stage{stage}/final")
+        trainer.save_model(f"{root}/{name}/final")
         engine = trainer.model_wrapped
         opt = engine.optimizer.param_groups[0]
         sched = engine.config.scheduler.params
-        out[f"stage{stage}"] = {
+        out[name] = {
+            # where the optimizer state and the parameter shard live: bytes by place (offload runs)
+            "placement": engine.optimizer.memory_placement() if name in OFFLOAD else {},
             "partitioned": partitioned,
             "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
             "resolved": {"micro": engine.train_micro_batch_size_per_gpu(), "gas": engine.gradient_accumulation_steps(),

@@ -17,6 +17,12 @@ Memory residency per rank (Ψ parameters, N ranks, 16-bit compute, Adam): module
 gradients ``a·Ψ`` (stages 0–1) or ``a·Ψ/N`` (stage 2) with ``a`` the accumulation dtype's bytes;
 master 4Ψ/N and Adam state 8Ψ/N (stages 1–2), or 4Ψ and 8Ψ at stage 0. In fp32 the masters are
 views into the module's parameters and cost nothing extra.
+
+Offload is a policy, not a branch: :class:`~zeroshard.offload.OffloadPolicy` places the masters
+(device or host memory, or swap files), the gradient shard goes where the masters are, and the
+step, checkpoints and memory accounting reach masters and optimizer state only through the state
+store (:mod:`zeroshard.offload.state_store`), which steps the torch optimizer sub-group by
+sub-group wherever they live.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import torch.distributed as dist
 from zeroshard.comm import collectives as C
 from zeroshard.offload import OffloadPolicy
 from zeroshard.offload.factory import make_state_store, optimizer_state_device
-from zeroshard.offload.policy import should_pin
+from zeroshard.offload.policy import Residency, should_pin
 from zeroshard.partition import Bucket, make_buckets
 from zeroshard.precision import LossScaler, PrecisionPolicy
 from zeroshard.stages import host_memory
@@ -112,7 +118,7 @@ class ZeroOptimizer:
         master_device = optimizer_state_device(self.offload, device)
         alias = policy.param_dtype == torch.float32 and spec.stage < 3 and master_device == device
         self.master = MasterShard(self.buckets, self.rank if layout_world > 1 else 0, master_device,
-                                  alias_params=alias, swapped=self.offload.optimizer.value == "file",
+                                  alias_params=alias, swapped=self.offload.optimizer is Residency.FILE,
                                   pin=should_pin(self.offload.pin_memory, device))
         self.master.comm_device = device
         #: where master weights and optimizer state live, and the one way to read or write them
