@@ -45,6 +45,11 @@ class BufferPool:
             self._free.append(buf)
 
     @property
+    def exhausted(self) -> bool:
+        """Whether :meth:`acquire` would hand out a temporary buffer."""
+        return not self._free and len(self._owned) >= self.count
+
+    @property
     def nbytes(self) -> int:
         """Bytes of the pooled buffers allocated so far."""
         return len(self._owned) * self.numel * self.dtype.itemsize

@@ -74,24 +74,45 @@ class ParamSwapFile:
         self.pool = BufferPool(policy.param_buffer_count, max(largest, 1), dtype, pin)
         #: the engine's step counter, for error messages (set by the engine)
         self.step: Callable[[], int] | None = None
+        #: parameter writes in flight, oldest first, with their pool buffers
+        self._writes: list[tuple[IOHandle, torch.Tensor]] = []
 
     def read(self, index: int) -> PendingRead:
-        """Start reading unit ``index``'s chunk."""
+        """Start reading unit ``index``'s chunk (after any write still in flight)."""
+        if self._writes:
+            self.flush()
         buf = self.pool.acquire()
         n = self.numel[index]
         handle = self.io.read(self.file, self.offsets[index], buf[:n], what=self._what(index))
         return PendingRead(handle, buf, n, self.pool)
 
     def write(self, index: int, values: torch.Tensor) -> None:
-        """Overwrite unit ``index``'s chunk (``values``: its ``bucket.numel`` elements, any dtype
-        and device; cast on the way)."""
+        """Start overwriting unit ``index``'s chunk (``values``: its ``bucket.numel`` elements, any
+        dtype and device; cast on the way). The write proceeds while the optimizer steps the next
+        sub-group; at most the pool's buffers are in flight (the oldest is waited for beyond
+        that), and :meth:`flush` (before the chunk is read again) waits for the rest."""
+        while self._writes and self.pool.exhausted:
+            self._finish_oldest_write()
         buf = self.pool.acquire()
         n = self.numel[index]
         try:
             buf[:n].copy_(values)
-            self.io.write(self.file, self.offsets[index], buf[:n], what=self._what(index)).wait()
+            self._writes.append((self.io.write(self.file, self.offsets[index], buf[:n], what=self._what(index)), buf))
+        except BaseException:
+            self.pool.release(buf)
+            raise
+
+    def _finish_oldest_write(self) -> None:
+        handle, buf = self._writes.pop(0)
+        try:
+            handle.wait()
         finally:
             self.pool.release(buf)
+
+    def flush(self) -> None:
+        """Wait for every write in flight (an I/O error surfaces here, naming the file and step)."""
+        while self._writes:
+            self._finish_oldest_write()
 
     def _what(self, index: int) -> str:
         return f"ZeRO-3 parameter shard of unit {index}" + (f", step {self.step()}" if self.step is not None else "")
@@ -103,6 +124,11 @@ class ParamSwapFile:
 
     def close(self) -> None:
         """Stop the I/O threads and remove the swap file."""
+        while self._writes:
+            try:
+                self._finish_oldest_write()
+            except OSError:
+                pass  # the file is being removed: a failed write of it no longer matters
         self.io.close()
         self.file.close(remove=True)
         remove_swap_dir(self.directory)
@@ -145,6 +171,11 @@ class ParamShard:
         assert self.flat is not None
         place = "device" if self.flat.device.type != "cpu" else ("pinned_host" if self.flat.is_pinned() else "host")
         return {place: self.flat.numel() * self.flat.element_size()}
+
+    def flush(self) -> None:
+        """Wait for parameter writes in flight (after an optimizer step publishes)."""
+        if self.swap is not None:
+            self.swap.flush()
 
     def close(self) -> None:
         """Remove the swap file, if any."""

@@ -121,6 +121,7 @@ class Stage3Optimizer(ZeroOptimizer):
     def publish(self) -> None:
         """Refresh the 16-bit shard from the masters and drop stale gathered copies."""
         self.store.refresh()  # a no-op right after a step: it published each sub-group as it went
+        self.shard.flush()  # parameter swap-file writes in flight end here, their errors with them
         with torch.no_grad():
             # Anything still gathered (eval forwards, persistent units) is stale now.
             for u in self.units:
