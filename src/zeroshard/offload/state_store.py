@@ -110,6 +110,9 @@ class StateStore:
         return self.optimizer
 
     # -- the step ------------------------------------------------------------------------------
+    def prefetch(self) -> None:
+        """Start bringing the first sub-groups in before the step (nothing to do in memory)."""
+
     def step(self, grads: list[torch.Tensor], skip: Collection[torch.nn.Parameter] = ()) -> None:
         """One optimizer step over every sub-group, with this rank's gradient shard (one flat
         fp32 tensor per bucket, unscaled and clipped); masters in ``skip`` get no gradient."""

@@ -15,9 +15,11 @@ sub-group. Host memory for the state is therefore ``slots × sub-group × (1 + k
 whatever the model size: ``sub_group_size`` is the knob.
 
 The step is a pipeline over sub-groups: while sub-group ``k`` is stepped, ``k+1`` (and further,
-with more slots) is being read and ``k-1`` written. For the step, each master's ``.data`` and each
-per-element state entry (``optimizer.state[master]["exp_avg"]``...) are pointed at the slot;
-afterwards the masters go back to ``meta`` placeholders and the entries are removed, so that the
+with more slots) is being read and ``k-1`` written; the first sub-groups are read during the
+backward that ends the accumulation window (:meth:`SwappedStateStore.prefetch`). For the step,
+each master's ``.data`` and each per-element state entry (``optimizer.state[master]["exp_avg"]``...)
+are pointed at the slot; afterwards the masters go back to NaN placeholders
+(:func:`~zeroshard.stages.master.swapped_placeholder`) and the entries are removed, so that the
 torch optimizer between steps holds only scalars (``step``). State the optimizer created during
 the step (the first step) is copied into the slot before it is written. Errors of the I/O engine
 name the file, the sub-group and the step.
@@ -113,6 +115,8 @@ class SwappedStateStore(StateStore):
         largest = max((sg.numel for sg in self.subgroups), default=1)
         pin = should_pin(policy.pin_memory, device)
         self.slots = [_Slot(largest, pin) for _ in range(max(1, min(policy.buffer_count, len(self.subgroups))))]
+        #: reads of the first sub-groups started during backward (:meth:`prefetch`)
+        self._early: dict[int, list[IOHandle]] = {}
         self.steps = 0
         if self.swap_masters:
             self._create(MASTER)
@@ -125,9 +129,9 @@ class SwappedStateStore(StateStore):
         f = self.files[kind] = SwapFile(self.directory / f"{kind}.swp", self.file_bytes)
         return f
 
-    def _what(self, kind: str, sg: SubGroup) -> str:
+    def _what(self, kind: str, sg: SubGroup, step: int | None = None) -> str:
         name = "master weights" if kind == MASTER else f"optimizer state {kind!r}"
-        return f"{name}, sub-group {sg.index} of {len(self.subgroups)}, optimizer step {self.steps}"
+        return f"{name}, sub-group {sg.index} of {len(self.subgroups)}, optimizer step {step or self.steps}"
 
     def _write_initial_masters(self) -> None:
         slot = self.slots[0]
@@ -146,23 +150,42 @@ class SwappedStateStore(StateStore):
     def _kinds(self) -> list[str]:
         return ([MASTER] if self.swap_masters else []) + self.keys
 
-    def _start_read(self, sg: SubGroup, slot: _Slot) -> list[IOHandle]:
+    def _start_read(self, sg: SubGroup, slot: _Slot, step: int | None = None) -> list[IOHandle]:
         slot.drain()  # its last writes must be done before the buffer is refilled
         if self.device.type == "cuda":  # and the asynchronous copies published from it
             torch.cuda.current_stream(self.device).synchronize()
         slot.sg = sg
-        return [self.io.read(self.files[k], self.offsets[sg.index], slot.tensor(k)[: sg.numel], what=self._what(k, sg))
-                for k in self._kinds()]
+        return [self.io.read(self.files[k], self.offsets[sg.index], slot.tensor(k)[: sg.numel],
+                             what=self._what(k, sg, step)) for k in self._kinds()]
+
+    @property
+    def _lookahead(self) -> int:
+        # With 3 or more slots one is left to the previous sub-group's writes, so they overlap
+        # the step instead of delaying the next read.
+        return max(1, len(self.slots) - 2)
+
+    def prefetch(self) -> None:
+        """Start reading the first sub-groups now (the engine calls it when the backward that ends
+        an accumulation window begins), so that their reads overlap backward instead of the step."""
+        if self._early:
+            return
+        for j in range(min(len(self.subgroups), self._lookahead + 1)):
+            self._early[j] = self._start_read(self.subgroups[j], self.slots[j % len(self.slots)], self.steps + 1)
+
+    def _cancel_prefetch(self) -> None:
+        """Values are about to change in the files: what was read ahead is stale."""
+        early, self._early = self._early, {}
+        for handles in early.values():
+            for h in handles:
+                h.wait()
 
     def step(self, grads: list[torch.Tensor], skip: Collection[torch.nn.Parameter] = ()) -> None:
         """The pipelined step over sub-groups: read ahead, step, write behind."""
         self.steps += 1
         n = len(self.subgroups)
-        reads: dict[int, list[IOHandle]] = {}
-        ahead = 0
-        # With 3 or more slots one is left to the previous sub-group's writes, so they overlap
-        # the step instead of delaying the next read.
-        lookahead = max(1, len(self.slots) - 2)
+        reads, self._early = self._early, {}
+        ahead = len(reads)
+        lookahead = self._lookahead
         for i, sg in enumerate(self.subgroups):
             while ahead < n and ahead <= i + lookahead:
                 reads[ahead] = self._start_read(self.subgroups[ahead], self.slots[ahead % len(self.slots)])
@@ -270,6 +293,7 @@ class SwappedStateStore(StateStore):
         return buf[start : start + n].clone()
 
     def _write_elems(self, kind: str, m: torch.nn.Parameter, values: torch.Tensor) -> None:
+        self._cancel_prefetch()
         sg, a, n = self._where(m)
         lo = self.offsets[sg.index] + a * 4
         base = lo - lo % 4096
@@ -349,6 +373,10 @@ class SwappedStateStore(StateStore):
 
     def close(self) -> None:
         """Wait for pending writes, stop the I/O threads and remove the swap files."""
+        try:
+            self._cancel_prefetch()
+        except OSError:
+            pass
         for slot in self.slots:
             try:
                 slot.drain()

@@ -197,8 +197,11 @@ class ZeroOptimizer:
 
     # -- training -------------------------------------------------------------------------------
     def start_backward(self, boundary: bool) -> None:
-        """Before ``loss.backward()``."""
+        """Before ``loss.backward()``: at the window's last micro-step, swapped optimizer state
+        starts coming in from its files while backward runs."""
         self.sync.start_backward(boundary)
+        if boundary:
+            self.store.prefetch()
 
     def finish_backward(self) -> None:
         """After ``loss.backward()``: complete this micro-step's gradient communication (and, with
