@@ -7,6 +7,7 @@ usual one full of ``"auto"`` values, which the Trainer fills in from its ``Train
 
     zeroshard launch --nproc_per_node 2 examples/finetune_hf.py --stage 3
     zeroshard launch --nproc_per_node 2 examples/finetune_hf.py --stage 2 --steps 60 --output_dir /tmp/sonnets-lm
+    python -m zeroshard.compat.accelerate_launch --use_deepspeed --num_processes 2 examples/finetune_hf.py --stage 3
 
 At the end it evaluates on held-out lines, saves the model (``from_pretrained`` loads it) and exits
 with status 1 when the last training loss is not below the first, so it doubles as a smoke test.

@@ -22,6 +22,7 @@ from zeroshard.comm import collectives as C
 from zeroshard.errors import ConfigError
 from zeroshard.partition import INIT_CHUNK_ATTR as SHARD_ATTR
 from zeroshard.partition import SHAPE_ATTR, ShardLayout, full_shape
+from zeroshard.stages import host_memory
 from zeroshard.zero.lazy_shard import InitSession, LazyShardTensor, ShardCore
 
 logger = logging.getLogger("zeroshard")
@@ -132,11 +133,35 @@ def _gather_chunk(p: torch.nn.Parameter, group: dist.ProcessGroup | None) -> tor
     chunk = getattr(p, SHARD_ATTR)
     shape = full_shape(p)
     layout = ShardLayout(int(torch.Size(shape).numel()), C.world_size(group))
+    if chunk.device.type == "cpu" and layout.world > 1:
+        return _gather_by_broadcasts(chunk, layout, group).view(shape)
     padded = torch.zeros(layout.shard_numel, dtype=chunk.dtype, device=chunk.device)
     padded[: chunk.numel()] = chunk
     out = torch.empty(layout.shard_numel * layout.world, dtype=chunk.dtype, device=chunk.device)
     C.all_gather(out, padded, group, async_op=False, what="all-gather of a zero.Init parameter")
-    return out[: layout.numel].view(shape).clone()
+    # A view of the receive buffer, not a copy (the padding past ``numel`` is never read).
+    return out[: layout.numel].view(shape)
+
+
+def _gather_by_broadcasts(chunk: torch.Tensor, layout: ShardLayout, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Every rank's chunk broadcast straight into its place in one flat tensor of ``layout.numel``.
+
+    On gloo (CPU), ``all_gather_into_tensor`` receives into a buffer of its own and copies it into
+    the output, and needs a padded input: 2.5 full-size tensors at once for one parameter (measured
+    on 2 ranks), where these in-place broadcasts need the output only. It is the same bytes on the
+    wire, and how transformers' ZeRO-3 ``from_pretrained`` gathers each module's parameters, so it
+    sets the peak memory of loading.
+    """
+    out = torch.empty(layout.numel, dtype=chunk.dtype, device=chunk.device)
+    me = C.rank(group)
+    for r in range(layout.world):
+        start, end = layout.local_range(r)
+        if start == end:  # a rank holding only padding: nothing to send (the same on every rank)
+            continue
+        if r == me:
+            out[start:end].copy_(chunk[: end - start])
+        C.broadcast(out[start:end], r if group is None else dist.get_global_rank(group, r), group)
+    return out
 
 
 def materialize_init_params(model: torch.nn.Module, group: dist.ProcessGroup | None) -> None:
@@ -171,6 +196,12 @@ class InitPartitioned:
         def exit_() -> None:
             for p in params:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            # Return the freed full tensors' heap pages, as zero.Init does: transformers gathers
+            # module by module, and the heap would otherwise keep about the whole model after
+            # loading (measured: about 110 MiB of a 222 MiB model per rank, see
+            # benchmarks/results/hf_from_pretrained_memory.md).
+            if any(p.device.type == "cpu" for p in params):
+                host_memory.trim()
 
         return enter, exit_
 
