@@ -116,9 +116,6 @@ class StateStore:
     def step(self, grads: list[torch.Tensor], skip: Collection[torch.nn.Parameter] = ()) -> None:
         """One optimizer step over every sub-group, with this rank's gradient shard (one flat
         fp32 tensor per bucket, unscaled and clipped); masters in ``skip`` get no gradient."""
-        if len(self.subgroups) == 1 and self.publish is None:
-            self._step_resident(self.subgroups[0], grads, skip)
-            return
         for sg in self.subgroups:
             self._step_resident(sg, grads, skip)
             if self.publish is not None:

@@ -115,6 +115,8 @@ class SwappedStateStore(StateStore):
         largest = max((sg.numel for sg in self.subgroups), default=1)
         pin = should_pin(policy.pin_memory, device)
         self.slots = [_Slot(largest, pin) for _ in range(max(1, min(policy.buffer_count, len(self.subgroups))))]
+        #: master -> (sub-group, offset in it, elements), built on the first random access
+        self._positions: dict[int, tuple[SubGroup, int, int]] = {}
         #: reads of the first sub-groups started during backward (:meth:`prefetch`)
         self._early: dict[int, list[IOHandle]] = {}
         self.steps = 0
@@ -277,11 +279,12 @@ class SwappedStateStore(StateStore):
 
     # -- random access, one parameter at a time ---------------------------------------------------------
     def _where(self, m: torch.nn.Parameter) -> tuple[SubGroup, int, int]:
-        for sg in self.subgroups:
-            for mm, b, off, n in sg.slices:
-                if mm is m:
-                    return sg, self._local(sg, b, off), n
-        raise KeyError("not a master of this store")
+        """The sub-group holding ``m``, its offset in it and its length (one lookup per parameter
+        read or written: a checkpoint of many parameters does not rescan every sub-group)."""
+        if not self._positions:
+            self._positions = {id(mm): (sg, self._local(sg, b, off), n)
+                               for sg in self.subgroups for mm, b, off, n in sg.slices}
+        return self._positions[id(m)]
 
     def _read_elems(self, kind: str, m: torch.nn.Parameter) -> torch.Tensor:
         sg, a, n = self._where(m)
