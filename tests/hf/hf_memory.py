@@ -97,7 +97,7 @@ def _measured_load(path: str) -> tuple[torch.nn.Module, dict[str, int]]:
     ``base``, the RSS it grows from)."""
     from transformers import AutoModelForCausalLM
 
-    from zeroshard.stages import host_memory
+    from zeroshard import host_memory
 
     gc.collect()
     host_memory.trim()  # start from a heap without free pages kept from before

@@ -20,6 +20,7 @@ from typing import Protocol, TypeVar
 import torch
 import torch.distributed as dist
 
+from zeroshard import host_memory
 from zeroshard.comm.subset import BLOCKS, refuse
 from zeroshard.comm.subset import on_ranks as on_ranks  # C.on_ranks(ranks, what), next to what it guards
 from zeroshard.comm.watchdog import STATE
@@ -151,7 +152,7 @@ class _RingReduceScatter(ReducedRow):
         # would block them forever.
         self.timeout = _group_timeout(group)
         self.chunks = buf.view(self.n, -1)
-        self.recv = torch.empty_like(self.chunks[0])
+        self.recv = host_memory.empty(self.chunks.shape[1], buf.dtype, buf.device)  # not in the heap on CPU
         self.next = self._global((self.r + 1) % self.n)
         self.prev = self._global((self.r - 1) % self.n)
         self.step = 0

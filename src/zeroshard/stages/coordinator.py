@@ -40,10 +40,10 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from zeroshard import host_memory
 from zeroshard.comm import agreement
 from zeroshard.comm import collectives as C
 from zeroshard.comm.subset import arrive
-from zeroshard.stages import host_memory
 from zeroshard.stages.param_unit import ParamUnit, UnitState
 from zeroshard.stages.units import is_leaf, unit_modules
 

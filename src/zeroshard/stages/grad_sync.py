@@ -31,6 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from zeroshard import host_memory
 from zeroshard.comm import collectives as C
 from zeroshard.partition import Bucket, scatter_into_rows
 from zeroshard.precision import PrecisionPolicy
@@ -373,8 +374,11 @@ class MicroStepReduceScatterSync(GradSync):
     def accumulator(self) -> torch.Tensor:
         """This rank's flat gradient shard, allocated if the window has none yet."""
         if self.acc is None:
-            self.acc = torch.empty(self.shard_numel, dtype=self.policy.grad_accum_dtype, device=self.acc_device,
-                                   pin_memory=self._pin)
+            if self._pin:
+                self.acc = torch.empty(self.shard_numel, dtype=self.policy.grad_accum_dtype, device=self.acc_device,
+                                       pin_memory=True)
+            else:  # freed at each step: on CPU, outside the heap (see host_memory)
+                self.acc = host_memory.empty(self.shard_numel, self.policy.grad_accum_dtype, self.acc_device)
             self._acc_views = [self.acc[b.start : b.start + b.numel] for b in self.buckets]
         return self.acc
 

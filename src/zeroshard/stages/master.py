@@ -15,6 +15,7 @@ from collections.abc import Collection, Sequence
 import torch
 import torch.distributed as dist
 
+from zeroshard import host_memory
 from zeroshard.comm import collectives as C
 from zeroshard.partition import INIT_CHUNK_ATTR, Bucket, consecutive_runs, gather_from_rows
 
@@ -179,8 +180,9 @@ class MasterShard:
             self._gather_buffers.append((torch.empty(0), torch.empty(0)))
         send, out = self._gather_buffers[slot]
         if send.dtype != dtype or send.numel() < rows:
-            send = torch.empty(rows, dtype=dtype, device=self.comm_device)
-            out = torch.empty(world * rows, dtype=dtype, device=self.comm_device)
+            # Freed after each publish: on CPU, outside the heap (see host_memory).
+            send = host_memory.empty(rows, dtype, self.comm_device)
+            out = host_memory.empty(world * rows, dtype, self.comm_device)
             self._gather_buffers[slot] = (send, out)
         return send, out
 

@@ -9,13 +9,14 @@ compute-dtype shard lives in a slice of the flat parameter-shard buffer. Its sta
 - ``GATHERED``: every parameter's ``.data`` is a full, contiguous tensor of its own. Changes made
   to it are *not* written back (see ``GatheredParameters(modifier_rank=...)`` for that).
 
-Releasing for training frees the full tensors' *storage* in place (``resize_(0)``, as FSDP2 does)
-and keeps the tensors: autograd saves views of the weights for backward (``weight.t()`` of a
-linear layer), which would otherwise keep every released unit's memory alive until its backward,
-so that releasing after forward saved nothing. The next gather refills the same storage, so
-those saved views read the gathered values again in backward. Releasing an explicit gather
-(``state_dict()``, ``GatheredParameters``) only drops the references: the caller may keep the
-tensors it was given.
+Releasing for training frees the full tensors' *storage* in place (``resize_(0)``, as FSDP2 does;
+on CPU, a large unit's tensors view one :class:`~zeroshard.host_memory.MappedBuffer`, outside
+malloc's heap, whose pages are dropped instead) and keeps the tensors: autograd saves views of the
+weights for backward (``weight.t()`` of a linear layer), which would otherwise keep every released
+unit's memory alive until its backward, so that releasing after forward saved nothing. The next
+gather refills the same storage, so those saved views read the gathered values again in backward.
+Releasing an explicit gather (``state_dict()``, ``GatheredParameters``) only drops the references:
+the caller may keep the tensors it was given.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zeroshard import host_memory
 from zeroshard.comm import collectives as C
 from zeroshard.partition import Bucket, full_shape, gather_from_rows
 
@@ -68,6 +70,10 @@ class ParamUnit:
         #: the full tensors of the last gather whose storage was freed in place: refilled (same
         #: storage) by the next gather, for the views autograd saved of them
         self._freed: list[torch.Tensor] | None = None
+        #: on CPU, for a large unit: the mapping its full tensors view (``None`` when they are plain
+        #: tensors), and the one its all-gathers land in
+        self._full_map: host_memory.MappedBuffer | None = None
+        self._out_map: host_memory.MappedBuffer | None = None
         #: called before each all-gather to check that every rank gathers this unit (see
         #: :class:`zeroshard.comm.agreement.GatherGuard`); ``None`` when verification is off
         self.verify: Callable[[ParamUnit], None] | None = None
@@ -100,7 +106,13 @@ class ParamUnit:
             # Parameter offload (host memory to the device), or the fp32 masters cast on the way.
             # A pooled swap buffer goes back to the pool (and is refilled) right after: copy blocking.
             shard = shard.to(self.device, self.dtype, non_blocking=not pooled)
-        out = torch.empty(self.world * self.bucket.numel, dtype=self.dtype, device=self.device)
+        numel = self.world * self.bucket.numel
+        if host_memory.mappable(self.device, numel * self.dtype.itemsize):
+            if self._out_map is None:
+                self._out_map = host_memory.MappedBuffer(numel * self.dtype.itemsize)
+            out = self._out_map.tensor(self.dtype)
+        else:
+            out = torch.empty(numel, dtype=self.dtype, device=self.device)
         self._pending = (out, C.all_gather(out, shard, self.group, what=self.gather_what))
 
     def wait_gather(self) -> None:
@@ -124,17 +136,25 @@ class ParamUnit:
         if work is not None:
             work.wait()
         rows = out.view(self.world, self.bucket.numel)
-        freed, self._freed = self._freed, None
-        for i, (p, shape, layout, off) in enumerate(zip(self.params, self.shapes, self.bucket.layouts,
-                                                        self.bucket.offsets)):
-            if freed is not None:
-                full = freed[i]
+        fulls, self._freed = self._freed if self._freed is not None else self._new_full_tensors(), None
+        for p, full, layout, off in zip(self.params, fulls, self.bucket.layouts, self.bucket.offsets):
+            if full.untyped_storage().nbytes() < full.numel() * full.element_size():  # freed by resize_(0)
                 full.untyped_storage().resize_(full.numel() * full.element_size())
-            else:
-                full = torch.empty(shape, dtype=self.dtype, device=self.device)
             gather_from_rows(rows[:, off : off + layout.shard_numel], full.view(-1))
             p.data = full
+        if self._out_map is not None:
+            self._out_map.drop()
         self.state = UnitState.GATHERED
+
+    def _new_full_tensors(self) -> list[torch.Tensor]:
+        numels = [shape.numel() for shape in self.shapes]
+        nbytes = sum(numels) * self.dtype.itemsize
+        if not host_memory.mappable(self.device, nbytes):
+            self._full_map = None
+            return [torch.empty(shape, dtype=self.dtype, device=self.device) for shape in self.shapes]
+        self._full_map = host_memory.MappedBuffer(nbytes)
+        flat = self._full_map.tensor(self.dtype)
+        return [t.view(shape) for t, shape in zip(flat.split(numels), self.shapes)]
 
     def release(self, free_storage: bool = True) -> None:
         """Drop the gathered tensors; the shard remains the only copy. With ``free_storage`` their
@@ -147,9 +167,14 @@ class ParamUnit:
             for p in self.params:
                 p.data = torch.empty(0, dtype=self.dtype, device=self.device)
             if free_storage:
-                for t in full:
-                    t.untyped_storage().resize_(0)
+                if self._full_map is not None:
+                    self._full_map.drop()
+                else:
+                    for t in full:
+                        t.untyped_storage().resize_(0)
                 self._freed = full
+            else:  # the caller may keep them: the next gather needs tensors of its own
+                self._full_map = None
             self.state = UnitState.SHARDED
 
     def write_back(self, rank: int, master_views: list[torch.Tensor] | None) -> None:

@@ -26,11 +26,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zeroshard import host_memory
 from zeroshard.offload import OffloadPolicy
 from zeroshard.offload.param_store import make_param_shard
 from zeroshard.partition import INIT_CHUNK_ATTR, SHAPE_ATTR, Bucket, buckets_from_groups, merge_buckets
 from zeroshard.precision import LossScaler, PrecisionPolicy
-from zeroshard.stages import host_memory
 from zeroshard.stages.coordinator import ParamCoordinator
 from zeroshard.stages.grad_sync import MicroStepReduceScatterSync
 from zeroshard.stages.param_unit import ParamUnit, UnitState

@@ -37,13 +37,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zeroshard import host_memory
 from zeroshard.comm import collectives as C
 from zeroshard.offload import OffloadPolicy
 from zeroshard.offload.factory import make_state_store, optimizer_state_device
 from zeroshard.offload.policy import Residency, should_pin
 from zeroshard.partition import Bucket, make_buckets
 from zeroshard.precision import LossScaler, PrecisionPolicy
-from zeroshard.stages import host_memory
 from zeroshard.stages.grad_sync import (
     AllReduceSync,
     BoundaryReduceScatterSync,
@@ -208,7 +208,7 @@ class ZeroOptimizer:
     def finish_backward(self) -> None:
         """After ``loss.backward()``: complete this micro-step's gradient communication (and, with
         ``ZEROSHARD_MALLOC_TRIM=1`` on CPU, give the heap the backward freed back to the system:
-        :mod:`~zeroshard.stages.host_memory`)."""
+        :mod:`~zeroshard.host_memory`)."""
         self.sync.finish_backward()
         host_memory.trim(self.device, training=True)
 

@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
+from zeroshard import host_memory
 from zeroshard.comm import collectives as C
 from zeroshard.errors import ConfigError
 from zeroshard.partition import INIT_CHUNK_ATTR as SHARD_ATTR
 from zeroshard.partition import SHAPE_ATTR, ShardLayout, full_shape
-from zeroshard.stages import host_memory
 from zeroshard.zero.lazy_shard import InitSession, LazyShardTensor, ShardCore
 
 logger = logging.getLogger("zeroshard")
