@@ -116,7 +116,7 @@ def test_partial_gradients_match_plain_torch(stage: int, partial_results) -> Non
 
 
 def test_gradient_buffers_are_bounded(partial_results) -> None:
-    """Stage 2/3 keep at most MAX_BUFFERS bucket buffers; stages 1-2 two all-gather buffer pairs."""
+    """Stage 2/3 keep at most MAX_BUFFERS bucket buffers; stages 1-2 two all-gather buffers."""
     # A bucket is one module's parameters at most here (ZeRO-3 units are modules), padded.
     bucket = max(sum(-(-p.numel() // WORLD) * WORLD for p in m.parameters()) for m in build().children())
     for stage in (0, 1, 2, 3):

@@ -299,8 +299,8 @@ class BoundaryReduceScatterSync(_FullAccumulatorSync):
 class MicroStepReduceScatterSync(GradSync):
     """Stage 2: reduce-scatter every micro-step; keep only this rank's accumulated shard.
 
-    Full-size gradients live only in a few reused bucket buffers (:data:`MAX_BUFFERS`), filled
-    by the hooks and given back as soon as their collective completes.
+    Full-size gradients live only in a few bucket buffers (:data:`MAX_BUFFERS`), filled by the
+    hooks, reused as soon as their collective completes, and freed at the end of backward.
     """
 
     def __init__(self, *args: object, **kwargs: object) -> None:
@@ -318,6 +318,7 @@ class MicroStepReduceScatterSync(GradSync):
         self._capacity = max((b.full_numel for b in self.buckets), default=0)
         self._buffers: dict[int, torch.Tensor] = {}  # bucket index -> buffer being filled or reduced
         self._free: list[torch.Tensor] = []
+        self._last_pool = 0  # bucket buffers the last backward used
         self._fresh: set[int] = {b.index for b in self.buckets}  # buckets not yet reduced this window
 
     def _launches_now(self) -> bool:
@@ -333,7 +334,7 @@ class MicroStepReduceScatterSync(GradSync):
             if self._free:
                 buf = self._free.pop()
             else:
-                buf = torch.empty(self._capacity, dtype=self.policy.reduce_dtype, device=self.device)
+                buf = host_memory.empty(self._capacity, self.policy.reduce_dtype, self.device)
             self._buffers[bucket.index] = buf
         return buf[: bucket.full_numel]
 
@@ -388,14 +389,20 @@ class MicroStepReduceScatterSync(GradSync):
             self._acc_views[i].zero_()
         return self._acc_views
 
+    def finish_backward(self) -> None:
+        """Complete the reductions, then free the bucket buffers: nothing needs them until the
+        next backward, and the optimizer step and the next forward can use their memory (on CPU
+        their mappings go back to the system)."""
+        super().finish_backward()
+        self._last_pool = self._pool_size()
+        self._free.clear()
+
     def zero(self) -> None:
         super().zero()
         self._fresh = {b.index for b in self.buckets}
         if not self._keep:  # the step has consumed it: free it until the next window's first reduction
             self.acc = None
             self._acc_views = []
-        # Bucket buffers beyond the pool size were needed only while many buckets filled at once.
-        del self._free[max(0, MAX_BUFFERS - len(self._buffers)):]
 
     def _pool_size(self) -> int:
         """Bucket buffers allocated: every one is either free or held by a bucket."""
@@ -406,4 +413,5 @@ class MicroStepReduceScatterSync(GradSync):
         return self.shard_numel * self.policy.grad_accum_dtype.itemsize
 
     def workspace_bytes(self) -> int:
-        return self._pool_size() * self._capacity * self.policy.reduce_dtype.itemsize
+        """Bytes of the bucket buffers in the last backward (freed at its end)."""
+        return max(self._pool_size(), self._last_pool) * self._capacity * self.policy.reduce_dtype.itemsize

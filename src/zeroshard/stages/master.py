@@ -66,7 +66,7 @@ class MasterShard:
         #: ``(master, bucket index, column in the bucket's row, real elements)``
         self.slices: list[tuple[torch.nn.Parameter, int, int, int]] = []
         #: per all-gather slot: ``(send, out)`` buffers, alive during :meth:`all_gather_to_params` only
-        self._gather_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._gather_buffers: list[torch.Tensor] = []
         #: bytes those buffers took in the last update (what ``comm_workspace`` reports)
         self._gather_bytes = 0
         self._gather_groups: tuple[int, list[tuple[list[Bucket], int, int]]] | None = None
@@ -147,22 +147,24 @@ class MasterShard:
                              dtype: torch.dtype) -> None:
         """Stages 1–2: gather every rank's updated shard into the full module parameters.
 
-        Consecutive buckets are gathered together up to ``bucket_numel`` full elements, through
-        two buffer pairs: the next gather is in flight while the previous one is copied out.
-        The pairs are freed when the update is done.
+        Consecutive buckets are gathered together up to half of ``bucket_numel`` full elements,
+        through two buffers: the next gather is in flight while the previous one is copied
+        out, and together they receive about ``bucket_numel`` elements (``allgather_bucket_size``:
+        "elements all-gathered at a time"). They are freed when the update is done.
         """
         world = C.world_size(group)
+        bucket_numel = max(1, bucket_numel // 2)
         inflight: list[tuple[list[Bucket], int, torch.Tensor, dist.Work | None]] = []
         for slot, (buckets, a, b) in enumerate(self._groups(bucket_numel)):
-            send, out = self._buffers(slot % 2, world, bucket_numel, dtype)
-            send = self._pack(buckets, a, b, send[: b - a])
-            out = out[: world * (b - a)]
+            out = self._buffer(slot % 2, world, bucket_numel, dtype)[: world * (b - a)]
+            # This rank's row is packed where the gather puts it: the all-gather runs in place.
+            send = self._pack(buckets, a, b, out.view(world, b - a)[self.rank])
             inflight.append((buckets, a, out, C.all_gather(out, send, group)))
             if len(inflight) > 1:
                 self._scatter_gathered(*inflight.pop(0), world)
         while inflight:
             self._scatter_gathered(*inflight.pop(0), world)
-        self._gather_bytes = sum(t.numel() * t.element_size() for pair in self._gather_buffers for t in pair)
+        self._gather_bytes = sum(t.numel() * t.element_size() for t in self._gather_buffers)
         self._gather_buffers = []
 
     def _groups(self, bucket_numel: int) -> list[tuple[list[Bucket], int, int]]:
@@ -173,18 +175,15 @@ class MasterShard:
             self._gather_groups = (bucket_numel, spans)
         return self._gather_groups[1]
 
-    def _buffers(self, slot: int, world: int, bucket_numel: int,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _buffer(self, slot: int, world: int, bucket_numel: int, dtype: torch.dtype) -> torch.Tensor:
         rows = max(b - a for _g, a, b in self._groups(bucket_numel))
         while len(self._gather_buffers) <= slot:
-            self._gather_buffers.append((torch.empty(0), torch.empty(0)))
-        send, out = self._gather_buffers[slot]
-        if send.dtype != dtype or send.numel() < rows:
+            self._gather_buffers.append(torch.empty(0))
+        out = self._gather_buffers[slot]
+        if out.dtype != dtype or out.numel() < world * rows:
             # Freed after each publish: on CPU, outside the heap (see host_memory).
-            send = host_memory.empty(rows, dtype, self.comm_device)
-            out = host_memory.empty(world * rows, dtype, self.comm_device)
-            self._gather_buffers[slot] = (send, out)
-        return send, out
+            out = self._gather_buffers[slot] = host_memory.empty(world * rows, dtype, self.comm_device)
+        return out
 
     def _pack(self, buckets: list[Bucket], a: int, b: int, send: torch.Tensor) -> torch.Tensor:
         """This rank's row ``[a, b)`` of the flat layout, in ``send``'s dtype (padding slots are
