@@ -8,7 +8,8 @@ from typing import Any
 from benchmarks.derive import MiB
 from benchmarks.spec import SYSTEM_LABELS, SYSTEMS
 
-COLORS = {"zeroshard": "#1b9e77", "deepspeed": "#d95f02", "ddp": "#7570b3", "zero_redundancy": "#e7298a",
+COLORS = {"zeroshard": "#1b9e77", "zeroshard_reshard": "#66c2a5",
+          "deepspeed": "#d95f02", "ddp": "#7570b3", "zero_redundancy": "#e7298a",
           "fsdp2": "#66a61e"}
 
 

@@ -43,6 +43,7 @@ def check(results: list[dict[str, Any]]) -> list[Goal]:
     goals.append(("model-state bytes per rank within 5% of the ZeRO formula",
                   ", ".join(f"{r['size']} s{r['variant']}: {v:+.1%}" for r, v in mem) or "not measured",
                   all(abs(v) <= 0.05 for _, v in mem) if mem else None))
+    goals += _memory_goals(results, zs)
     imp = [r["import_system_s"] for r in zs]
     goals.append(("`import zeroshard` adds <= 0.1 s to `import torch`",
                   f"max {max(imp):.3f} s" if imp else "not measured", max(imp) <= 0.1 if imp else None))
@@ -55,3 +56,35 @@ def check(results: list[dict[str, Any]]) -> list[Goal]:
                   "no JIT extension loaded, no torch.compile frame" if zs and not comp else
                   ", ".join(r["key"] for r in comp) or "not measured", (not comp) if zs else None))
     return goals
+
+
+def _peak(r: dict[str, Any]) -> float:
+    return max(r["peak_rss"]) / 2**20
+
+
+def _memory_goals(results: list[dict[str, Any]], zs: list[dict[str, Any]]) -> list[Goal]:
+    """Peak RSS per rank (the largest rank) against DDP and FSDP2 of the same size (issue #9)."""
+    def peer(size: str, system: str) -> dict[str, Any] | None:
+        return next((r for r in _rows(results, system) if r["size"] == size), None)
+
+    reshard = _rows(results, "zeroshard_reshard")
+    default_vs, equal_vs, budget = [], [], []
+    for r in zs + reshard:
+        ddp, fsdp = peer(r["size"], "ddp"), peer(r["size"], "fsdp2")
+        label = f"{r['size']} s{r['variant']}" + (" (as FSDP2)" if r["system"] == "zeroshard_reshard" else "")
+        if fsdp is not None and r["stage"] == 3:
+            ok = _peak(r) <= _peak(fsdp) and (r["system"] == "zeroshard" or (r.get("vs_fsdp2") or 9) <= 1.0)
+            text = f"{label}: {_peak(r):,.0f} vs {_peak(fsdp):,.0f} MiB" + (
+                f", step {r['vs_fsdp2']:.2f}x" if r["system"] == "zeroshard_reshard" and r.get("vs_fsdp2") else "")
+            (default_vs if r["system"] == "zeroshard" else equal_vs).append((text, ok))
+        if ddp is not None and r.get("state_bytes") and ddp.get("state_bytes"):
+            target = _peak(ddp) - (ddp["state_bytes"] - r["state_bytes"]) / 2**20
+            budget.append((f"{label}: {_peak(r):,.0f} MiB vs {target:,.0f} ({_peak(r) / target - 1:+.0%})",
+                           _peak(r) <= 1.1 * target))
+
+    def goal(name: str, items: list[tuple[str, bool]]) -> Goal:
+        return name, ", ".join(t for t, _ in items) or "not measured", all(ok for _, ok in items) if items else None
+
+    return [goal("stage 3 peak RSS <= FSDP2's, both at their defaults", default_vs),
+            goal("stage 3 at FSDP2's setting (one block live): peak RSS <= FSDP2's and faster", equal_vs),
+            goal("each stage's peak RSS within 10% of DDP's peak minus the model state it shards away", budget)]

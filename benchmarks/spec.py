@@ -10,11 +10,12 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-SYSTEMS: tuple[str, ...] = ("zeroshard", "deepspeed", "ddp", "zero_redundancy", "fsdp2")
+SYSTEMS: tuple[str, ...] = ("zeroshard", "zeroshard_reshard", "deepspeed", "ddp", "zero_redundancy", "fsdp2")
 """Every system the benchmark knows, in table order."""
 
 SYSTEM_LABELS: dict[str, str] = {
     "zeroshard": "zeroshard",
+    "zeroshard_reshard": "zeroshard, one block live (as FSDP2)",
     "deepspeed": "DeepSpeed",
     "ddp": "torch DDP",
     "zero_redundancy": "torch ZeroRedundancyOptimizer",
@@ -23,12 +24,15 @@ SYSTEM_LABELS: dict[str, str] = {
 
 LIBRARIES: dict[str, tuple[str, str]] = {
     "zeroshard": ("zeroshard", "pip install -e ."),
+    "zeroshard_reshard": ("zeroshard", "pip install -e ."),
     "deepspeed": ("deepspeed", "pip install -e '.[bench]' (DeepSpeed 0.19.x)"),
 }
 """Systems that need a package beyond torch: (importable name, how to install it)."""
 
-FIXED_STAGE: dict[str, int] = {"ddp": 0, "zero_redundancy": 1, "fsdp2": 3}
-"""The ZeRO stage each torch baseline is equivalent to (what it shards)."""
+FIXED_STAGE: dict[str, int] = {"ddp": 0, "zero_redundancy": 1, "fsdp2": 3, "zeroshard_reshard": 3}
+"""The ZeRO stage each torch baseline is equivalent to (what it shards); ``zeroshard_reshard`` is
+zeroshard's stage 3 at the setting that matches FSDP2's ``reshard_after_forward=True`` (the
+equal-memory comparison)."""
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from benchmarks.spec import SYSTEMS
 
 _MODULES = {
     "zeroshard": "benchmarks.systems.zeroshard_system",
+    "zeroshard_reshard": "benchmarks.systems.zeroshard_reshard",
     "deepspeed": "benchmarks.systems.deepspeed_system",
     "ddp": "benchmarks.systems.ddp",
     "zero_redundancy": "benchmarks.systems.zero_redundancy",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from benchmarks.spec import Job
@@ -18,12 +20,16 @@ def import_library() -> None:
     import zeroshard  # noqa: F401
 
 
-def build(model: torch.nn.Module, job: Job, device: torch.device) -> EngineLoop:
-    """``zeroshard.initialize`` with the shared config; a not-yet-supported feature is reported."""
+def build(model: torch.nn.Module, job: Job, device: torch.device,
+          zero: dict[str, Any] | None = None) -> EngineLoop:
+    """``zeroshard.initialize`` with the shared config (``zero`` merged into its
+    ``zero_optimization``); a not-yet-supported feature is reported."""
     import zeroshard
 
+    config = deepspeed_config(job)
+    config["zero_optimization"].update(zero or {})
     try:
-        engine, _, _, _ = zeroshard.initialize(model=model, config=deepspeed_config(job))
+        engine, _, _, _ = zeroshard.initialize(model=model, config=config)
     except zeroshard.NotYetSupportedError as exc:
         raise NotAvailable(f"not yet available: {exc}") from exc
 
