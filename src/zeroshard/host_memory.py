@@ -137,7 +137,6 @@ class MappedBuffer:
     """
 
     def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
         self._map, self._bytes = _mapped_bytes(nbytes)
 
     def tensor(self, dtype: torch.dtype) -> torch.Tensor:
