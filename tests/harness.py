@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,8 +34,24 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, workdir: str, arg
         # Tear down together: a rank that closes its gloo connections while a peer still uses them
         # can abort the peer ("terminate called without an active exception").
         dist.barrier()
+        (Path(workdir) / f"finished_{rank}").touch()
     finally:
         dist.destroy_process_group()
+
+
+def _teardown_only(error: mp.ProcessExitedException, fn: Callable[..., Any], world_size: int,
+                   workdir: Path) -> None:
+    """Re-raise ``error`` unless every rank had returned, saved its result and passed the
+    teardown barrier before one died by a signal, i.e. in ``destroy_process_group`` or interpreter
+    shutdown. A rank aborted there once in a CI run of 762 tests ("terminate called without an
+    active exception"; not reproduced in 40 reruns of that test). The results are then whole:
+    warn, naming the rank. A death before the barrier still fails the test.
+    """
+    finished = all((workdir / f"finished_{r}").exists() for r in range(world_size))
+    if error.signal_name is None or not finished:
+        raise error
+    warnings.warn(f"{fn.__name__}: rank {error.error_index} died by {error.signal_name} after the teardown barrier "
+                  "(every rank had returned and saved its result)", RuntimeWarning, stacklevel=3)
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0) -> list[Any]:
@@ -44,13 +61,16 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             _entry, args=(fn, world_size, workdir, args), nprocs=world_size, join=False, start_method="spawn"
         )
         deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=0.5):
-            if time.monotonic() > deadline:
-                hung = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                raise TimeoutError(f"{fn.__name__}: ranks {hung} still running after {timeout:.0f}s; killed")
+        try:
+            while not ctx.join(timeout=0.5):
+                if time.monotonic() > deadline:
+                    hung = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
+                    for p in ctx.processes:
+                        if p.is_alive():
+                            p.kill()
+                    raise TimeoutError(f"{fn.__name__}: ranks {hung} still running after {timeout:.0f}s; killed")
+        except mp.ProcessExitedException as e:
+            _teardown_only(e, fn, world_size, Path(workdir))
         return [
             torch.load(Path(workdir) / f"result_{r}.pt", weights_only=True) for r in range(world_size)
         ]

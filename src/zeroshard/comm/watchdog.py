@@ -67,13 +67,19 @@ class Heartbeat:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
+        # Ends by itself once the process group is destroyed: nothing is left to report, and a
+        # thread still calling into the store while the process tears down can abort it.
+        while not self._stop.is_set() and dist.is_initialized():
             self.count += 1
             try:
                 self.store.set(_KEY.format(self.rank), f"{self.count}|{STATE.where}|{STATE.op}")
             except Exception:  # the store is gone: the job is ending; explain() will say so
                 pass
             self._stop.wait(HEARTBEAT_S)
+
+    def alive(self) -> bool:
+        """Whether the thread still runs (it ends with the process group it reports on)."""
+        return self._thread.is_alive()
 
     def stop(self) -> None:
         """End the thread and wait for it: a thread still inside a store call while the interpreter
@@ -98,9 +104,11 @@ def _default_store() -> dist.Store | None:
 
 
 def start_heartbeat() -> None:
-    """Start this process's heartbeat (once; a no-op in a world of one)."""
+    """Start this process's heartbeat (once per process group; a no-op in a world of one)."""
     global _heartbeat, _store
-    if _heartbeat is not None or not dist.is_initialized() or dist.get_world_size() == 1:
+    if _heartbeat is not None and _heartbeat.alive():
+        return
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     if os.environ.get("ZEROSHARD_HEARTBEAT", "1") == "0":  # opt-out: failures then name no rank
         return
