@@ -138,40 +138,63 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | N
                    lambda: _reduce_scatter_flat(out, inp, group=group, async_op=async_op))
 
 
-class _RingReduceScatter(ReducedRow):
-    """A reduce-scatter from point-to-point messages around the ring of ranks.
+class _Ring:
+    """``world - 1`` hops of point-to-point messages around the ring of ranks: in each, rank ``r``
+    sends one buffer to ``r + 1`` and receives one from ``r - 1``. Subclasses name the two buffers
+    of a hop (:meth:`_hop`) and what to do once it has arrived (:meth:`_arrived`). The first hop
+    starts at once; later ones in :meth:`_finish`."""
 
-    ``world - 1`` steps; in each, rank ``r`` sends its partial sum of one chunk to ``r + 1`` and
-    adds the chunk received from ``r - 1``, ending with its own chunk summed. It moves half the
-    bytes of an all-reduce. The first step starts at once; later ones run in :meth:`wait`.
-    """
-
-    def __init__(self, buf: torch.Tensor, group: ProcessGroup | None, tag: int) -> None:
+    def _begin_ring(self, group: ProcessGroup | None, tag: int) -> None:
         self.n, self.r, self.group, self.tag = world_size(group), rank(group), group, tag
         # gloo's point-to-point waits ignore the group's timeout unless given one: a stopped peer
         # would block them forever.
         self.timeout = _group_timeout(group)
-        self.chunks = buf.view(self.n, -1)
-        self.recv = host_memory.empty(self.chunks.shape[1], buf.dtype, buf.device)  # not in the heap on CPU
         self.next = _global_rank(group, (self.r + 1) % self.n)
         self.prev = _global_rank(group, (self.r - 1) % self.n)
         self.step = 0
-        super().__init__(None, self.chunks[self.r])
-        self.works: list[dist.Work | None] | None = self._start()
+        self.works: list[dist.Work | None] | None = self._post()
 
-    def _start(self) -> list[dist.Work | None]:
-        send = self.chunks[(self.r - self.step - 1) % self.n]
+    def _hop(self) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _arrived(self) -> None:
+        """Called after each hop's messages are done."""
+
+    def _post(self) -> list[dist.Work | None]:
+        send, recv = self._hop()
         return [dist.isend(send, self.next, group=self.group, tag=self.tag),
-                dist.irecv(self.recv, self.prev, group=self.group, tag=self.tag)]
+                dist.irecv(recv, self.prev, group=self.group, tag=self.tag)]
 
-    def wait(self) -> torch.Tensor:
+    def _finish(self) -> None:
         while self.works is not None:
             for w in self.works:
                 if w is not None:
                     w.wait(self.timeout)
-            self.chunks[(self.r - self.step - 2) % self.n].add_(self.recv)
+            self._arrived()
             self.step += 1
-            self.works = self._start() if self.step < self.n - 1 else None
+            self.works = self._post() if self.step < self.n - 1 else None
+
+
+class _RingReduceScatter(_Ring, ReducedRow):
+    """A reduce-scatter around the ring: in each hop rank ``r`` sends its partial sum of one
+    chunk and adds the chunk received, ending with its own chunk summed. It moves half the bytes
+    of an all-reduce."""
+
+    def __init__(self, buf: torch.Tensor, group: ProcessGroup | None, tag: int) -> None:
+        n, r = world_size(group), rank(group)
+        self.chunks = buf.view(n, -1)
+        self.recv = host_memory.empty(self.chunks.shape[1], buf.dtype, buf.device)  # not in the heap on CPU
+        ReducedRow.__init__(self, None, self.chunks[r])
+        self._begin_ring(group, tag)
+
+    def _hop(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.chunks[(self.r - self.step - 1) % self.n], self.recv
+
+    def _arrived(self) -> None:
+        self.chunks[(self.r - self.step - 2) % self.n].add_(self.recv)
+
+    def wait(self) -> torch.Tensor:
+        self._finish()
         return self.row
 
 
@@ -197,42 +220,31 @@ def reduce_scatter_rows(buf: torch.Tensor, group: ProcessGroup | None, tag: int 
                    lambda: ReducedRow(_reduce_scatter_flat(out, buf, group=group, async_op=True), out))
 
 
-class _RingAllGather:
-    """An all-gather from point-to-point messages around the ring of ranks, straight into ``out``.
+class _RingAllGather(_Ring):
+    """An all-gather around the ring, straight into ``out``: each row travels ``world - 1`` hops
+    and lands in its place.
 
     gloo's own all-gather allocates temporaries of the output's size on every call; freed
     through malloc they stay in the process (measured: 5 all-gathers of 26 MiB left 105 MiB of
-    resident heap, ``benchmarks/PROFILE.md``). Here each row travels ``world - 1`` hops and lands
-    in its place: the same bytes as gloo's ring, no temporary. The first hop starts at once,
-    later ones in :meth:`wait`. Every all-gather shares one tag: ranks post them in the same
-    order, and gloo matches the messages of a pair and tag in order.
+    resident heap, ``benchmarks/PROFILE.md``). This moves the same bytes as gloo's ring with no
+    temporary. Every all-gather shares one tag: ranks post them in the same order, and gloo
+    matches the messages of a pair and tag in order.
     """
 
     TAG = 1 << 24  # apart from the reduce-scatter rings' bucket tags
 
     def __init__(self, out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None) -> None:
-        self.n, self.r, self.group = world_size(group), rank(group), group
-        self.timeout = _group_timeout(group)  # gloo's point-to-point waits ignore it otherwise
-        self.rows = out.view(self.n, -1)
-        if inp.data_ptr() != self.rows[self.r].data_ptr():  # not gathered in place
-            self.rows[self.r].copy_(inp.reshape(-1))
-        self.next = _global_rank(group, (self.r + 1) % self.n)
-        self.prev = _global_rank(group, (self.r - 1) % self.n)
-        self.step = 0
-        self.works: list[dist.Work | None] | None = self._start()
+        n, r = world_size(group), rank(group)
+        self.rows = out.view(n, -1)
+        if inp.data_ptr() != self.rows[r].data_ptr():  # not gathered in place
+            self.rows[r].copy_(inp.reshape(-1))
+        self._begin_ring(group, self.TAG)
 
-    def _start(self) -> list[dist.Work | None]:
-        send, recv = self.rows[(self.r - self.step) % self.n], self.rows[(self.r - self.step - 1) % self.n]
-        return [dist.isend(send, self.next, group=self.group, tag=self.TAG),
-                dist.irecv(recv, self.prev, group=self.group, tag=self.TAG)]
+    def _hop(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rows[(self.r - self.step) % self.n], self.rows[(self.r - self.step - 1) % self.n]
 
     def wait(self) -> bool:
-        while self.works is not None:
-            for w in self.works:
-                if w is not None:
-                    w.wait(self.timeout)
-            self.step += 1
-            self.works = self._start() if self.step < self.n - 1 else None
+        self._finish()
         return True
 
 
