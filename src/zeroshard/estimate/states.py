@@ -38,7 +38,7 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 #: DeepSpeed's (and zeroshard's) default of ``stage3_param_persistence_threshold``
 PERSISTENCE_THRESHOLD = 100_000
 #: reduce buffers kept at stages 2–3 (``grad_sync.MAX_BUFFERS``) and all-gather slots at stages 1–2
-_REDUCE_BUFFERS, _GATHER_SLOTS = 3, 2
+_REDUCE_BUFFERS, _GATHER_SLOTS = 2, 2
 
 
 @dataclass(frozen=True)
