@@ -96,3 +96,38 @@ def test_memory_follows_zero_formulas(world: int) -> None:
     assert abs(r["3/bf16"]["total"] - 14 * psi / n) / (14 * psi / n) < 0.01
     # Peak gathered parameters: at most the whole model in bf16 here (default live budget).
     assert 0 < r["3/bf16"]["gathered_peak"] <= 2 * psi
+
+
+def bucket_worker(rank: int, world: int, reduce_bucket: int) -> dict[str, dict[str, int]]:
+    """Stages 2-3 with many small layers, with and without ``overlap_comm``: the bucket buffers'
+    bytes after one step."""
+    out = {}
+    for stage in (2, 3):
+        for overlap in (False, True):
+            torch.manual_seed(0)
+            model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(24)])  # 4,160 elements per layer
+            cfg = {"train_micro_batch_size_per_gpu": 2,
+                   "zero_optimization": {"stage": stage, "reduce_bucket_size": reduce_bucket,
+                                         "overlap_comm": overlap, "stage3_param_persistence_threshold": 0},
+                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+            engine, _, _, _ = zeroshard.initialize(model=model, config=cfg)
+            engine.backward(engine(torch.randn(2, 64)).pow(2).mean())
+            engine.step()
+            out[f"stage {stage}, overlap_comm {overlap}"] = {
+                "workspace": engine.optimizer.sync.workspace_bytes(),
+                "reductions": len(engine.optimizer.sync.buckets)}
+    return out
+
+
+def test_reduce_buffers_hold_reduce_bucket_size_elements() -> None:
+    """DeepSpeed's ``reduce_bucket_size`` is the elements reduced at a time: stages 2-3 keep two
+    buffers that together hold at most that many (one fills while the other is reduced), with
+    ``overlap_comm`` or without it (then each bucket is reduced as it fills, not all at the end
+    of backward, which would hold the whole model's gradients)."""
+    reduce_bucket = 40_000  # about 9.6 layers: each half-size buffer holds 4 of them
+    results = run_distributed(bucket_worker, 2, reduce_bucket)
+    assert len(results[0]) == 4
+    for key, got in results[0].items():
+        assert 0 < got["workspace"] <= reduce_bucket * 4, (key, got)
+        # The model's 24 layers travel in buffers of 4 layers: 6 reductions, not 3 of 8.
+        assert got["reductions"] == 6, (key, got)

@@ -37,7 +37,8 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 #: DeepSpeed's (and zeroshard's) default of ``stage3_param_persistence_threshold``
 PERSISTENCE_THRESHOLD = 100_000
-#: reduce buffers kept at stages 2–3 (``grad_sync.MAX_BUFFERS``) and all-gather slots at stages 1–2
+#: reduce buffers kept at stages 2–3 (``grad_sync.MAX_BUFFERS``, each of ``reduce_bucket_size /
+#: MAX_BUFFERS`` elements) and all-gather slots at stages 1–2
 _REDUCE_BUFFERS, _GATHER_SLOTS = 2, 2
 
 
@@ -130,7 +131,7 @@ def model_states(spec: ModelSpec, stage: int, world: int, dtype: str = "bf16", g
     padded = None if sizes is None else [ShardLayout(n, world).shard_numel * world for n in sizes]
     workspace = 0
     if stage >= 2:
-        largest, count = _largest_run(padded, psi, buckets.reduce_bucket_size)
+        largest, count = _largest_run(padded, psi, max(1, buckets.reduce_bucket_size // _REDUCE_BUFFERS))
         workspace += min(_REDUCE_BUFFERS, count) * largest * a
     if stage in (1, 2) and world > 1:
         largest, count = _largest_run(padded, psi, buckets.allgather_bucket_size)

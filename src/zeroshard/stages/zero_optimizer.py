@@ -49,6 +49,7 @@ from zeroshard.stages.grad_sync import (
     BoundaryReduceScatterSync,
     GradSync,
     MicroStepReduceScatterSync,
+    bucket_numel,
 )
 from zeroshard.stages.master import MasterShard
 
@@ -146,8 +147,9 @@ class ZeroOptimizer:
 
     def _make_buckets(self, params: list[torch.nn.Parameter]) -> list[Bucket]:
         layout_world = self.world if self.spec.stage >= 1 else 1
+        size = bucket_numel(self.spec.reduce_bucket_size) if self.spec.stage >= 2 else self.spec.reduce_bucket_size
         # Reverse registration order approximates the order in which backward produces gradients.
-        return make_buckets(list(reversed(params)), layout_world, self.spec.reduce_bucket_size)
+        return make_buckets(list(reversed(params)), layout_world, size)
 
     def _sync_buckets(self) -> list[Bucket]:
         """The buckets gradients are reduced in (the layout's own, at stages 0–2)."""
