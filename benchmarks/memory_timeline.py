@@ -44,6 +44,8 @@ if __package__ in (None, ""):
 
 import torch
 
+from benchmarks import proc_memory
+
 CATEGORIES = ("parameters", "gathered", "gradients", "comm", "master", "optimizer", "activations")
 MiB = 2**20
 
@@ -74,12 +76,8 @@ def process_bytes(device: torch.device) -> dict[str, int]:
     if device.type == "cuda":
         return {"allocated": torch.cuda.memory_allocated(device), "peak": torch.cuda.max_memory_allocated(device),
                 "reserved": torch.cuda.memory_reserved(device)}
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                out["rss" if key == "VmRSS" else "peak"] = int(value.split()[0]) * 1024
+    st = proc_memory.status()
+    out = {"rss": st["VmRSS"], "peak": st["VmHWM"]}
     if _LIBC is not None:
         info = _LIBC.mallinfo2()
         out["malloc"] = int(info.uordblks + info.hblkhd)
@@ -91,11 +89,7 @@ def reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+    proc_memory.reset_peak()
 
 
 # -- tensor census ------------------------------------------------------------------------------

@@ -39,6 +39,8 @@ if __package__ in (None, ""):  # `python benchmarks/offload.py`: make the reposi
 
 import torch
 
+from benchmarks import proc_memory
+
 GiB = float(1 << 30)
 MiB = float(1 << 20)
 SYSTEMS = ("zeroshard", "deepspeed")
@@ -107,8 +109,7 @@ def _engine_io(engine: Any) -> tuple[int, int] | None:
 def _peak_rss() -> int:
     """This process's peak resident bytes (``VmHWM``: unlike ``ru_maxrss``, not inherited from the
     process that spawned it, across ``exec``)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    return proc_memory.status()["VmHWM"]
 
 
 def _disk_bytes(root: Path) -> int:

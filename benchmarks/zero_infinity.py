@@ -32,6 +32,8 @@ if __package__ in (None, ""):  # `python benchmarks/zero_infinity.py`: make the 
 
 import torch
 
+from benchmarks import proc_memory
+
 GiB = float(1 << 30)
 MiB = float(1 << 20)
 REPO = Path(__file__).resolve().parent.parent
@@ -67,13 +69,8 @@ def config(args: argparse.Namespace) -> dict[str, Any]:
 
 def _rss() -> tuple[int, int]:
     """(current, peak) resident bytes of this process."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(value.split()[0]) * 1024
-    return out["VmRSS"], out["VmHWM"]
+    st = proc_memory.status()
+    return st["VmRSS"], st["VmHWM"]
 
 
 def _disk_bytes(root: Path) -> int:
