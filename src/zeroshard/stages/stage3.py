@@ -91,8 +91,8 @@ class Stage3Optimizer(ZeroOptimizer):
         return buckets_from_groups(groups, self.world)
 
     def _sync_buckets(self) -> list[Bucket]:
-        # One reduce-scatter per run of units up to reduce_bucket_size, not one per unit: units
-        # are single modules, often far smaller than a bucket (DeepSpeed buckets them too).
+        # One reduce-scatter per run of units up to a reduce buffer (half of reduce_bucket_size),
+        # not one per unit: units are single modules, often far smaller (DeepSpeed buckets them too).
         return merge_buckets(self.buckets, bucket_numel(self.spec.reduce_bucket_size))
 
     def _grad_views(self) -> list[torch.Tensor]:
