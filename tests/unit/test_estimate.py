@@ -519,7 +519,13 @@ def test_estimate_errors(args: list[str], message: str) -> None:
 
 def test_planner_chooses_cpu_offload_when_the_gpu_is_too_small(tmp_path: Path) -> None:
     out = tmp_path / "c.json"
+    # 14 GB: the bf16 parameters (13.04 GiB) leave no room for stage 2. At 16 GB stage 2 fits (its
+    # all-gather buffers are the gather outputs, two of half allgather_bucket_size), and is chosen.
     code, text, err = _estimate_cli("--params", "7e9", "--gpus", "8", "--gpu-memory", "16GB", "--cpu-memory",
+                                    "512GB", "-o", str(tmp_path / "c16.json"))
+    assert code == 0, err
+    assert "chosen: ZeRO stage 2, offload optimizer->cpu" in text
+    code, text, err = _estimate_cli("--params", "7e9", "--gpus", "8", "--gpu-memory", "14GB", "--cpu-memory",
                                     "512GB", "-o", str(out))
     assert code == 0, err
     assert "chosen: ZeRO stage 3, offload optimizer->cpu" in text

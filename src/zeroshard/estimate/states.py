@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from zeroshard.estimate.model_spec import ModelSpec
-from zeroshard.partition import ShardLayout, consecutive_runs
+from zeroshard.partition import COMM_BUFFERS, ShardLayout, buffer_numel, consecutive_runs
 
 __all__ = ["DTYPE_BYTES", "Buckets", "StateEstimate", "model_states"]
 
@@ -37,10 +37,6 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 #: DeepSpeed's (and zeroshard's) default of ``stage3_param_persistence_threshold``
 PERSISTENCE_THRESHOLD = 100_000
-#: reduce buffers kept at stages 2–3 (``grad_sync.MAX_BUFFERS``, each of ``reduce_bucket_size /
-#: MAX_BUFFERS`` elements) and all-gather slots at stages 1–2
-_REDUCE_BUFFERS, _GATHER_SLOTS = 2, 2
-
 
 @dataclass(frozen=True)
 class Buckets:
@@ -131,11 +127,12 @@ def model_states(spec: ModelSpec, stage: int, world: int, dtype: str = "bf16", g
     padded = None if sizes is None else [ShardLayout(n, world).shard_numel * world for n in sizes]
     workspace = 0
     if stage >= 2:
-        largest, count = _largest_run(padded, psi, max(1, buckets.reduce_bucket_size // _REDUCE_BUFFERS))
-        workspace += min(_REDUCE_BUFFERS, count) * largest * a
+        largest, count = _largest_run(padded, psi, buffer_numel(buckets.reduce_bucket_size))
+        workspace += min(COMM_BUFFERS, count) * largest * a
     if stage in (1, 2) and world > 1:
-        largest, count = _largest_run(padded, psi, buckets.allgather_bucket_size)
-        workspace += min(_GATHER_SLOTS, count) * (largest // world) * (world + 1) * c
+        # Gathered in place: the buffers are the outputs, this rank's row packed into them.
+        largest, count = _largest_run(padded, psi, buffer_numel(buckets.allgather_bucket_size))
+        workspace += min(COMM_BUFFERS, count) * largest * c
     gathered = 0
     if stage == 3:
         gatherable = sum(u for u in spec.units if u > persistence_threshold) if spec.units else psi

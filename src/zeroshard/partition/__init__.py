@@ -1,11 +1,13 @@
 """Shard geometry shared by the stages, checkpoints and estimator."""
 
 from zeroshard.partition.layout import (
+    COMM_BUFFERS,
     INIT_CHUNK_ATTR,
     SHAPE_ATTR,
     Bucket,
     ShardLayout,
     buckets_from_groups,
+    buffer_numel,
     consecutive_runs,
     full_numel,
     full_shape,
@@ -16,10 +18,12 @@ from zeroshard.partition.layout import (
 )
 
 __all__ = [
+    "COMM_BUFFERS",
     "INIT_CHUNK_ATTR",
     "SHAPE_ATTR",
     "Bucket",
     "ShardLayout",
+    "buffer_numel",
     "buckets_from_groups",
     "consecutive_runs",
     "full_numel",

@@ -36,23 +36,12 @@ import torch.distributed as dist
 
 from zeroshard import host_memory
 from zeroshard.comm import collectives as C
-from zeroshard.partition import Bucket, scatter_into_rows
+from zeroshard.partition import COMM_BUFFERS, Bucket, scatter_into_rows
 from zeroshard.precision import PrecisionPolicy
 
 #: Stage 2/3 bucket buffers kept for reuse; a bucket that finds none free waits for the oldest
-#: collective in flight rather than allocating. Two, as DeepSpeed's double-buffered ``overlap_comm``
-#: (DDP keeps one per bucket): one fills while the other is reduced. A third was measured on the
-#: 25M GPT with 6.5M-element buckets: the same step time (0.64-0.67 s both), 25 MiB more peak RSS.
-MAX_BUFFERS = 2
-
-
-def bucket_numel(reduce_bucket_size: int) -> int:
-    """Full elements per stage 2–3 reduction bucket: :data:`MAX_BUFFERS` of them hold
-    ``reduce_bucket_size`` elements together, DeepSpeed's "elements reduced at a time" (its
-    ``overlap_comm`` keeps two buffers of the whole size). Measured on the 25M GPT with
-    6.5M-element buckets: 26 MiB less peak RSS at the same step time."""
-    return max(1, reduce_bucket_size // MAX_BUFFERS)
-
+#: collective in flight rather than allocating (DDP keeps one per bucket).
+MAX_BUFFERS = COMM_BUFFERS
 
 #: Collectives in flight at most: launching one more first completes the oldest, so their
 #: transient buffers (gloo's receive chunks) stay bounded and their results are folded in during

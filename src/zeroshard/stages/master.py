@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from zeroshard import host_memory
 from zeroshard.comm import collectives as C
-from zeroshard.partition import INIT_CHUNK_ATTR, Bucket, consecutive_runs, gather_from_rows
+from zeroshard.partition import INIT_CHUNK_ATTR, Bucket, buffer_numel, consecutive_runs, gather_from_rows
 
 
 def swapped_placeholder(numel: int) -> torch.Tensor:
@@ -153,7 +153,7 @@ class MasterShard:
         "elements all-gathered at a time"). They are freed when the update is done.
         """
         world = C.world_size(group)
-        bucket_numel = max(1, bucket_numel // 2)
+        bucket_numel = buffer_numel(bucket_numel)
         inflight: list[tuple[list[Bucket], int, torch.Tensor, dist.Work | None]] = []
         for slot, (buckets, a, b) in enumerate(self._groups(bucket_numel)):
             out = self._buffer(slot % 2, world, bucket_numel, dtype)[: world * (b - a)]

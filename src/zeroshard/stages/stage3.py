@@ -29,10 +29,17 @@ import torch.distributed as dist
 from zeroshard import host_memory
 from zeroshard.offload import OffloadPolicy
 from zeroshard.offload.param_store import make_param_shard
-from zeroshard.partition import INIT_CHUNK_ATTR, SHAPE_ATTR, Bucket, buckets_from_groups, merge_buckets
+from zeroshard.partition import (
+    INIT_CHUNK_ATTR,
+    SHAPE_ATTR,
+    Bucket,
+    buckets_from_groups,
+    buffer_numel,
+    merge_buckets,
+)
 from zeroshard.precision import LossScaler, PrecisionPolicy
 from zeroshard.stages.coordinator import ParamCoordinator
-from zeroshard.stages.grad_sync import MicroStepReduceScatterSync, bucket_numel
+from zeroshard.stages.grad_sync import MicroStepReduceScatterSync
 from zeroshard.stages.param_unit import ParamUnit, UnitState
 from zeroshard.stages.units import is_leaf, unit_modules
 from zeroshard.stages.zero_optimizer import StageSpec, ZeroOptimizer
@@ -93,7 +100,7 @@ class Stage3Optimizer(ZeroOptimizer):
     def _sync_buckets(self) -> list[Bucket]:
         # One reduce-scatter per run of units up to a reduce buffer (half of reduce_bucket_size),
         # not one per unit: units are single modules, often far smaller (DeepSpeed buckets them too).
-        return merge_buckets(self.buckets, bucket_numel(self.spec.reduce_bucket_size))
+        return merge_buckets(self.buckets, buffer_numel(self.spec.reduce_bucket_size))
 
     def _grad_views(self) -> list[torch.Tensor]:
         self.sync.shard_grads()  # zeroes what no backward reduced in this window

@@ -42,14 +42,13 @@ from zeroshard.comm import collectives as C
 from zeroshard.offload import OffloadPolicy
 from zeroshard.offload.factory import make_state_store, optimizer_state_device
 from zeroshard.offload.policy import Residency, should_pin
-from zeroshard.partition import Bucket, make_buckets
+from zeroshard.partition import Bucket, buffer_numel, make_buckets
 from zeroshard.precision import LossScaler, PrecisionPolicy
 from zeroshard.stages.grad_sync import (
     AllReduceSync,
     BoundaryReduceScatterSync,
     GradSync,
     MicroStepReduceScatterSync,
-    bucket_numel,
 )
 from zeroshard.stages.master import MasterShard
 
@@ -147,7 +146,7 @@ class ZeroOptimizer:
 
     def _make_buckets(self, params: list[torch.nn.Parameter]) -> list[Bucket]:
         layout_world = self.world if self.spec.stage >= 1 else 1
-        size = bucket_numel(self.spec.reduce_bucket_size) if self.spec.stage >= 2 else self.spec.reduce_bucket_size
+        size = buffer_numel(self.spec.reduce_bucket_size) if self.spec.stage >= 2 else self.spec.reduce_bucket_size
         # Reverse registration order approximates the order in which backward produces gradients.
         return make_buckets(list(reversed(params)), layout_world, size)
 
