@@ -22,7 +22,11 @@ class ConfigError(ZeroshardError, ValueError):
 
     def __init__(self, message: str, key: str | None = None) -> None:
         self.key = key
-        super().__init__(f"{key}: {message}" if key else message)
+        if key == "":  # a key that is the empty string: say so, or the message names none
+            message = f"key '': {message}"
+        elif key:
+            message = f"{key}: {message}"
+        super().__init__(message)
 
 
 class NotYetSupportedError(ConfigError):

@@ -218,6 +218,7 @@ def test_damaged_configs_fail_clearly(raw: dict[str, Any], form: str) -> None:
 
 @settings(FUZZ, max_examples=int(100 * SCALE))
 @given(damaged_configs(values=python_only | garbage))
+@example({"train_batch_size": 2, "": {1: "a"}})  # found by this test: the empty key went unnamed
 def test_python_only_values_fail_clearly(raw: dict[str, Any]) -> None:
     cfg = load_or_error(raw)
     if cfg is not None:

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from zeroshard import host_memory
 from zeroshard.errors import ConfigError
 from zeroshard.offload.aio import (
     AsyncIO,
@@ -202,13 +203,19 @@ class SwappedStateStore(StateStore):
                     self._opt.step()
                 finally:
                     self.master.detach_grads(sg.slices)
-                self._adopt_new_state(sg, slot)
+                adopted = self._adopt_new_state(sg, slot)
                 if self.publish is not None:
                     masters = slot.tensor(MASTER)[: sg.numel] if self.swap_masters else \
                         self.master.flat[sg.start : sg.end]
                     self.publish(sg.start, sg.end, masters)
             finally:
                 self._unbind(sg)
+            if adopted:
+                # The optimizer's new state for this sub-group was just freed, between small tensors
+                # that stay (its ``step``): glibc cannot reuse the hole for the next sub-group's, so
+                # the first step's heap grew by half the state of every sub-group. Returning the
+                # freed pages costs a heap walk per sub-group, once (like zero.Init).
+                host_memory.trim()
             slot.writes = [self.io.write(self.files[k], self.offsets[sg.index], slot.tensor(k)[: sg.numel],
                                          what=self._what(k, sg)) for k in self._kinds()]
         for slot in self.slots:
@@ -230,8 +237,9 @@ class SwappedStateStore(StateStore):
                 for k in self.keys:
                     state[m][k] = slot.tensor(k)[a : a + n]
 
-    def _adopt_new_state(self, sg: SubGroup, slot: _Slot) -> None:
-        """Copy state the optimizer created in this step (its first) into the slot."""
+    def _adopt_new_state(self, sg: SubGroup, slot: _Slot) -> bool:
+        """Copy state the optimizer created in this step (its first) into the slot; whether any was."""
+        adopted = False
         state = self._opt.state
         for m, b, off, n in sg.slices:
             a = self._local(sg, b, off)
@@ -243,6 +251,8 @@ class SwappedStateStore(StateStore):
                 target = slot.tensor(k)[a : a + n]
                 if v.data_ptr() != target.data_ptr():
                     target.copy_(v)
+                    adopted = True
+        return adopted
 
     def _new_key(self, key: str, value: torch.Tensor) -> None:
         if value.dtype != torch.float32:
