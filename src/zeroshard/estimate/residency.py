@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zeroshard.estimate.model_spec import ModelSpec
-from zeroshard.estimate.states import DTYPE_BYTES, PERSISTENCE_THRESHOLD, Buckets
+from zeroshard.estimate.states import DTYPE_BYTES, PERSISTENCE_THRESHOLD, Buckets, unit_rows
 from zeroshard.offload.swap_files import ALIGNMENT, round_up
 from zeroshard.partition import ShardLayout, consecutive_runs
 
@@ -148,24 +148,6 @@ class Placement:
     def file(self) -> int:
         """Bytes of swap files."""
         return self.at("file")
-
-
-def unit_rows(spec: ModelSpec, world: int) -> list[int]:
-    """Per-rank row of each ZeRO-3 unit (its parameters' padded chunks), in registration order.
-
-    Without per-parameter sizes each unit counts as one parameter; a bare count is cut into
-    units of the largest layer.
-    """
-    if spec.units is not None and spec.unit_param_counts is not None and spec.param_numels is not None:
-        rows, i = [], 0
-        for k in spec.unit_param_counts:
-            rows.append(sum(ShardLayout(n, world).shard_numel for n in spec.param_numels[i : i + k]))
-            i += k
-        return rows
-    if spec.units is not None:
-        return [ShardLayout(u, world).shard_numel for u in spec.units]
-    total, big = int(spec.total_params), max(1, int(spec.largest_layer_params))
-    return [ShardLayout(min(big, total - s), world).shard_numel for s in range(0, total, big)]
 
 
 def bucket_rows(spec: ModelSpec, stage: int, world: int, reduce_bucket_size: int) -> list[int]:

@@ -85,6 +85,24 @@ def _padded(numels: tuple[int, ...] | None, total: int, world: int) -> int:
     return sum(ShardLayout(n, world).shard_numel for n in numels)
 
 
+def unit_rows(spec: ModelSpec, world: int) -> list[int]:
+    """Per-rank row of each ZeRO-3 unit (its parameters' padded chunks), in registration order.
+
+    Without per-parameter sizes each unit counts as one parameter; a bare count is cut into
+    units of the largest layer.
+    """
+    if spec.units is not None and spec.unit_param_counts is not None and spec.param_numels is not None:
+        rows, i = [], 0
+        for k in spec.unit_param_counts:
+            rows.append(sum(ShardLayout(n, world).shard_numel for n in spec.param_numels[i : i + k]))
+            i += k
+        return rows
+    if spec.units is not None:
+        return [ShardLayout(u, world).shard_numel for u in spec.units]
+    total, big = int(spec.total_params), max(1, int(spec.largest_layer_params))
+    return [ShardLayout(min(big, total - s), world).shard_numel for s in range(0, total, big)]
+
+
 def _largest_run(sizes: list[int] | None, total: int, limit: int) -> tuple[int, int]:
     """``(largest run, number of runs)`` of consecutive sizes grouped up to ``limit``; with the
     sizes unknown (a bare count), parameters are assumed small next to ``limit``."""
@@ -123,8 +141,12 @@ def model_states(spec: ModelSpec, stage: int, world: int, dtype: str = "bf16", g
     out["total"] = sum(out.values())
 
     # Communication buffers, grouped as the stages group parameters (reverse registration order).
-    sizes = spec.units if stage == 3 else spec.param_numels and tuple(reversed(spec.param_numels))
-    padded = None if sizes is None else [ShardLayout(n, world).shard_numel * world for n in sizes]
+    # ZeRO-3 reduces runs of units, each padded parameter by parameter as the engine lays them out.
+    padded: list[int] | None = None
+    if stage == 3 and spec.units is not None:
+        padded = [row * world for row in unit_rows(spec, world)]
+    elif stage < 3 and spec.param_numels is not None:
+        padded = [ShardLayout(n, world).shard_numel * world for n in reversed(spec.param_numels)]
     workspace = 0
     if stage >= 2:
         largest, count = _largest_run(padded, psi, buffer_numel(buckets.reduce_bucket_size))
