@@ -1,7 +1,7 @@
 """A small multi-process test harness: spawned ranks, ``file://`` rendezvous, hard deadline.
 
 ``run_distributed(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` in ``world_size``
-spawned processes that share a gloo process group, and returns each rank's return value (tensors,
+new processes (see :data:`START_METHOD`) that share a gloo process group, and returns each rank's return value (tensors,
 numbers, strings and plain containers; they travel through ``torch.save``/``torch.load(weights_only)``).
 A rank that raises fails the test with its traceback; ranks still alive at the deadline are
 killed and the test fails naming them. ``fn`` must be a module-level function.
@@ -9,6 +9,7 @@ killed and the test fails naming them. ``fn`` must be a module-level function.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import tempfile
 import time
@@ -21,8 +22,22 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+#: How ranks start. "forkserver" (the default) forks each from one server process that imported
+#: torch once, about a second less per rank than "spawn" (a fresh interpreter importing torch),
+#: over the few hundred jobs of the suite. Each rank still gets the test's environment as it is
+#: at the call (below), so both methods run the same code; ``spawn`` is there to check that.
+START_METHOD = os.environ.get("ZEROSHARD_TEST_START_METHOD", "forkserver")
+if START_METHOD not in ("forkserver", "spawn"):
+    raise ValueError(f"ZEROSHARD_TEST_START_METHOD must be 'forkserver' or 'spawn', got {START_METHOD!r}")
+if START_METHOD == "forkserver":
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed"])
 
-def _entry(rank: int, fn: Callable[..., Any], world_size: int, workdir: str, args: tuple[Any, ...]) -> None:
+
+def _entry(rank: int, fn: Callable[..., Any], world_size: int, workdir: str, args: tuple[Any, ...],
+           environ: dict[str, str]) -> None:
+    # A forked rank inherits the server's environment, taken when it started: use the test's.
+    os.environ.clear()
+    os.environ.update(environ)
     torch.set_num_threads(1)
     os.environ.setdefault("LOCAL_RANK", str(rank))
     dist.init_process_group(
@@ -57,9 +72,8 @@ def _teardown_only(error: mp.ProcessExitedException, fn: Callable[..., Any], wor
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the per-rank results."""
     with tempfile.TemporaryDirectory(prefix="zeroshard-test-") as workdir:
-        ctx = mp.start_processes(
-            _entry, args=(fn, world_size, workdir, args), nprocs=world_size, join=False, start_method="spawn"
-        )
+        ctx = mp.start_processes(_entry, args=(fn, world_size, workdir, args, dict(os.environ)), nprocs=world_size,
+                                 join=False, start_method=START_METHOD)
         deadline = time.monotonic() + timeout
         try:
             while not ctx.join(timeout=0.5):

@@ -3,12 +3,12 @@ returned, saved its result and passed the teardown barrier. A death before that 
 
 from __future__ import annotations
 
-import atexit
 import os
 import signal
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from harness import run_distributed
 
@@ -17,9 +17,15 @@ def _abort() -> None:
     os.kill(os.getpid(), signal.SIGABRT)
 
 
-def abort_at_exit(rank: int, world: int) -> torch.Tensor:
-    if rank == 1:
-        atexit.register(_abort)  # runs in interpreter shutdown, after the harness's teardown
+def abort_in_teardown(rank: int, world: int) -> torch.Tensor:
+    if rank == 1:  # dies in destroy_process_group, after the harness's teardown barrier
+        destroy = dist.destroy_process_group
+
+        def destroy_then_abort(*args: object, **kwargs: object) -> None:
+            destroy(*args, **kwargs)  # type: ignore[arg-type]
+            _abort()
+
+        dist.destroy_process_group = destroy_then_abort
     return torch.tensor([rank])
 
 
@@ -31,7 +37,7 @@ def abort_while_working(rank: int, world: int) -> torch.Tensor:
 
 def test_death_in_teardown_keeps_the_results_and_warns() -> None:
     with pytest.warns(RuntimeWarning, match="rank 1 died by SIGABRT after the teardown barrier"):
-        results = run_distributed(abort_at_exit, 2)
+        results = run_distributed(abort_in_teardown, 2)
     assert [int(r) for r in results] == [0, 1]
 
 
