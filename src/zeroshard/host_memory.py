@@ -11,10 +11,11 @@ any allocator setting: the user's process keeps glibc's defaults.
 
 ``zero.Init`` calls :func:`trim` after each few MiB of parameters it frees (it would otherwise
 grow a rank by more than the whole model; the cost is paid once), and so does the first step with
-NVMe optimizer offload after each sub-group's new optimizer state has gone to its swap files. In training it is an opt-in,
-because it costs step time (10-20% on the CPU benchmark, ``benchmarks/PROFILE.md``):
-``ZEROSHARD_MALLOC_TRIM=1`` also trims at the end of each backward and optimizer step and every
-32 MiB of ZeRO-3 units released (CPU only), which lowers the training peak by 150-300 MiB there.
+NVMe optimizer offload after each sub-group's new optimizer state has gone to its swap files. In
+training it is an opt-in, because it costs step time (10-20% on the CPU benchmark,
+``benchmarks/PROFILE.md``): ``ZEROSHARD_MALLOC_TRIM=1`` also trims at the end of each backward
+and optimizer step and every 32 MiB of ZeRO-3 units released (CPU only), which lowers the
+training peak by 150-300 MiB there.
 ``ZEROSHARD_MALLOC_TRIM=0`` turns every trim off. No allocator setting is ever changed, and it
 is a no-op where the C library has no ``malloc_trim`` (musl, macOS, Windows) and for device
 memory (CUDA's caching allocator is separate).
