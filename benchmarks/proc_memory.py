@@ -1,6 +1,6 @@
 """This process's real resident memory on Linux, from ``/proc/self``: what the memory benchmarks
-report (``tests/rss.py`` is the tests' copy: tests do not import benchmarks; ``checkpoint_bench.py``
-keeps its own, because its conversion subprocesses import it as a top-level module)."""
+report, and the memory tests through ``tests/rss.py`` (``checkpoint_bench.py`` keeps its own,
+because its conversion subprocesses import it as a top-level module). Nothing here imports torch."""
 
 from __future__ import annotations
 

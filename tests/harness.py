@@ -1,4 +1,4 @@
-"""A small multi-process test harness: spawned ranks, ``file://`` rendezvous, hard deadline.
+"""A small multi-process test harness: one process per rank, ``file://`` rendezvous, hard deadline.
 
 ``run_distributed(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` in ``world_size``
 new processes (see :data:`START_METHOD`) that share a gloo process group, and returns each rank's return value (tensors,

@@ -54,6 +54,9 @@ _Pending = tuple[Bucket, Callable[[], None]]
 class GradSync:
     """Base class: hook bookkeeping and in-order bucket launching."""
 
+    #: reduce each bucket as it fills even without ``overlap_comm`` (waiting for it there)
+    reduce_as_filled = False
+
     def __init__(self, buckets: list[Bucket], group: dist.ProcessGroup | None, policy: PrecisionPolicy,
                  device: torch.device, overlap_comm: bool, acc_device: torch.device | None = None) -> None:
         #: Launch strictly in bucket order (stages 0-2). ZeRO-3 launches each unit as it completes:
@@ -69,8 +72,6 @@ class GradSync:
         #: where the persistent gradient shard accumulates (host memory with optimizer offload)
         self.acc_device = acc_device if acc_device is not None else device
         self.overlap_comm = overlap_comm
-        #: reduce each bucket as it fills even without ``overlap_comm`` (waiting for it there)
-        self.reduce_as_filled = False
         self.layout_world = buckets[0].layouts[0].world if buckets and buckets[0].layouts else 1
         #: this rank's row in the ``[layout_world, bucket.numel]`` layout
         self.row = C.rank(group) if self.layout_world > 1 else 0
@@ -312,9 +313,10 @@ class MicroStepReduceScatterSync(GradSync):
     hooks, reused as soon as their collective completes, and freed at the end of backward.
     """
 
+    reduce_as_filled = True
+
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.reduce_as_filled = True
         # With optimizer offload the shard lives in host memory (pinned on an accelerator): only
         # this rank's shard crosses over, and it stays allocated (page-locking is slow). On the
         # training device it exists only from a window's first reduction to its step, as FSDP

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from zeroshard import host_memory
 from zeroshard.comm import collectives as C
-from zeroshard.partition import INIT_CHUNK_ATTR, Bucket, buffer_numel, consecutive_runs, gather_from_rows
+from zeroshard.partition import COMM_BUFFERS, INIT_CHUNK_ATTR, Bucket, buffer_numel, consecutive_runs, gather_from_rows
 
 
 def swapped_placeholder(numel: int) -> torch.Tensor:
@@ -156,11 +156,11 @@ class MasterShard:
         bucket_numel = buffer_numel(bucket_numel)
         inflight: list[tuple[list[Bucket], int, torch.Tensor, dist.Work | None]] = []
         for slot, (buckets, a, b) in enumerate(self._groups(bucket_numel)):
-            out = self._buffer(slot % 2, world, bucket_numel, dtype)[: world * (b - a)]
+            out = self._buffer(slot % COMM_BUFFERS, world, bucket_numel, dtype)[: world * (b - a)]
             # This rank's row is packed where the gather puts it: the all-gather runs in place.
             send = self._pack(buckets, a, b, out.view(world, b - a)[self.rank])
             inflight.append((buckets, a, out, C.all_gather(out, send, group)))
-            if len(inflight) > 1:
+            if len(inflight) >= COMM_BUFFERS:  # the oldest buffer is the next one to fill
                 self._scatter_gathered(*inflight.pop(0), world)
         while inflight:
             self._scatter_gathered(*inflight.pop(0), world)
