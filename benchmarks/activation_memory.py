@@ -30,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +96,10 @@ def _step(model: Model, x: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(model(x).flatten(0, 1), x.flatten())
 
 
-def _saved(model: Model, x: torch.Tensor) -> tuple[int, int, int]:
+def saved_for_backward(model: nn.Module, forward: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Run ``forward()`` and return its result with the bytes held for backward once it is done: the
+    tensors autograd saved (distinct storages, ``model``'s weights excluded) and the checkpointed
+    inputs zeroshard keeps (``zeroshard.activations.STATS``)."""
     from zeroshard.activations import STATS
 
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -107,8 +111,15 @@ def _saved(model: Model, x: torch.Tensor) -> tuple[int, int, int]:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = _step(model, x)
-    held, inputs, host = sum(storages.values()) + STATS.live_bytes, STATS.live_bytes, STATS.host_bytes
+        out = forward()
+    return out, sum(storages.values()) + STATS.live_bytes
+
+
+def _saved(model: Model, x: torch.Tensor) -> tuple[int, int, int]:
+    from zeroshard.activations import STATS
+
+    loss, held = saved_for_backward(model, lambda: _step(model, x))
+    inputs, host = STATS.live_bytes, STATS.host_bytes
     loss.backward()
     return held, inputs, host
 

@@ -134,7 +134,8 @@ def worker(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
 
     v = Variant(**spec["variant"])
     job = Job(spec["system"], v.stage, "25m", world_size=world,
-              workload=Workload(warmup_steps=spec["warmup"], measure_steps=spec["steps"]))
+              workload=Workload(micro_batch=spec["micro_batch"], seq_len=spec["seq_len"],
+                                warmup_steps=spec["warmup"], measure_steps=spec["steps"]))
     lib: Any = __import__(spec["system"])
     data = batches(job, rank, spec["warmup"] + spec["steps"], 256)
     model = build_model(job, torch.device("cpu"))
@@ -204,7 +205,7 @@ def run_one(system: str, v: Variant, args: argparse.Namespace) -> dict[str, Any]
     shutil.rmtree(nvme, ignore_errors=True)
     nvme.mkdir(parents=True)
     spec = {"system": system, "variant": vars(v), "warmup": args.warmup, "steps": args.steps, "nvme": str(nvme),
-            "sub_group": args.sub_group}
+            "sub_group": args.sub_group, "micro_batch": args.micro_batch, "seq_len": args.seq_len}
     t = time.monotonic()
     try:
         r = run_on_ranks(worker, args.world_size, spec)
@@ -292,10 +293,11 @@ def markdown(runs: dict[tuple[str, Variant], dict[str, Any]], args: argparse.Nam
         f"zeroshard {getattr(zeroshard, '__version__', '?')} (git {git}); {os.cpu_count()} CPU cores",
         f"- Load average (1 min) at start / end: {loads[0]:.2f} / {loads[1]:.2f}"
         + (" — **taken under contention** (other jobs shared the 2 cores)" if max(loads) > 1.5 else ""),
-        f"- Workload: GPT 25M (benchmarks/spec.py `25m`), {args.world_size} gloo ranks, fp32, micro batch 4 × 64 "
-        f"tokens, AdamW, clipping 1.0; {args.warmup} warm-up + {args.steps} measured steps, median step (slowest "
-        "rank, between barriers)" + (f"; every run {args.repeat} times in fresh processes, in alternating order, "
-                                     "steps pooled" if args.repeat > 1 else ""),
+        f"- Workload: GPT 25M (benchmarks/spec.py `25m`), {args.world_size} gloo ranks, fp32, micro batch "
+        f"{args.micro_batch} × {args.seq_len} tokens, AdamW, clipping 1.0; {args.warmup} warm-up + {args.steps} "
+        "measured steps, median step (slowest rank, between barriers)"
+        + (f"; every run {args.repeat} times in fresh processes, in alternating order, steps pooled"
+           if args.repeat > 1 else ""),
         f"- NVMe variants: `sub_group_size` {args.sub_group:.0e} for both systems (about "
         f"{-(-25_000_000 // args.world_size // args.sub_group)} sub-groups per rank); aio defaults (1 MiB blocks, "
         f"queue depth 8, 1 thread); swap files under `{args.nvme_path}`",
@@ -436,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--seq-len", type=int, default=64,
+                   help="tokens per sequence (small values make the step I/O-bound, as on a GPU)")
     p.add_argument("--sub-group", type=int, default=2_000_000, help="sub_group_size of the NVMe variants")
     p.add_argument("--nvme-path", type=Path, default=Path("/tmp/zeroshard-offload-bench"))
     p.add_argument("--bw-gib", type=float, default=1.0, help="GiB written and read to measure the disk")

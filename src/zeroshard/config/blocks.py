@@ -91,8 +91,10 @@ class ActivationCheckpointingConfig(ConfigModel):
     """Keep checkpointed inputs (or their partitions) in host memory until recomputation."""
 
     contiguous_memory_optimization: bool = False
-    """Accepted without effect: torch's caching allocator reuses freed blocks, so there is no
-    fragmentation for DeepSpeed's contiguous buffer to avoid."""
+    """Accepted without effect: on an accelerator torch's caching allocator reuses freed blocks, so
+    there is no fragmentation for DeepSpeed's contiguous buffer to avoid. On CPU, copying the held
+    inputs into buffers of their own did not lower a rank's peak RSS (measured); fixing glibc's
+    mmap threshold did (README, "Memory")."""
 
     number_checkpoints: Int | None = Field(default=None, gt=0)
     """Accepted without effect: it only sizes DeepSpeed's contiguous buffer."""

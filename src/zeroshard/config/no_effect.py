@@ -140,7 +140,8 @@ NO_EFFECT: dict[str, str] = {
     _Z + "offload_param.max_in_cpu": ("with NVMe parameter offload every parameter shard lives in the swap file; "
                                       "host memory holds only the read buffers (buffer_count x buffer_size)"),
     "activation_checkpointing.contiguous_memory_optimization": ("torch's caching allocator reuses the freed "
-                                                                "blocks: there is no contiguous buffer to keep"),
+                                                                "blocks on an accelerator; on CPU see the "
+                                                                "README's allocator setting ('Memory')"),
     "activation_checkpointing.number_checkpoints": "only sizes DeepSpeed's contiguous buffer (see the key above)",
     "zero_allow_untested_optimizer": "any torch optimizer steps on the shard; none is refused",
     "zero_force_ds_cpu_optimizer": ("any torch optimizer steps on host tensors with optimizer offload (Adam and "
