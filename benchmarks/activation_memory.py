@@ -15,16 +15,22 @@ ranks (every rank gets the same batch, as tensor-parallel ranks do). Measured pe
   memory events; RSS would hide it, glibc keeps freed pages);
 - CUDA peak (``--device cuda``): ``torch.cuda.max_memory_allocated`` over forward + backward, minus
   what was allocated before (weights, gradients);
+- peak RSS (CPU): the growth of the rank's resident memory (``VmHWM``) over the mode's timed
+  steps, what the process really holds. Each mode runs in fresh rank processes, so none inherits
+  another's heap, and warms up on a 1 × 8-token batch (code paths loaded, gradients allocated,
+  little heap left behind). Start with ``MALLOC_MMAP_THRESHOLD_=131072`` for figures that do not
+  depend on when glibc raises its mmap threshold (README, "Memory"; the report names the setting);
 - step: wall time of forward + backward (median of 3), indicative only on a shared machine.
 
-The CPU run spawns ``--world`` gloo ranks; the CUDA run is one process (partitioning needs a
-group of several devices) and writes ``activation_memory-cuda.md``. Prints a Markdown table and
+The CPU run spawns ``--world`` gloo ranks per mode; the CUDA run is one process (partitioning needs
+a group of several devices) and writes ``activation_memory-cuda.md``. Prints a Markdown table and
 writes it to ``benchmarks/results/``.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -39,6 +45,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import proc_memory  # noqa: E402
+from benchmarks.machine import allocator_settings  # noqa: E402
 
 MiB = 2**20
 MODES = ("plain", "checkpoint", "checkpoint + cpu_checkpointing", "checkpoint + partition_activations")
@@ -146,7 +158,8 @@ def _cuda_peak(model: Model, x: torch.Tensor) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
-def measure(rank: int, world: int, args: argparse.Namespace, store: str | None) -> list[dict[str, Any]]:
+def measure(rank: int, world: int, args: argparse.Namespace, store: str | None,
+            modes: tuple[str, ...] = MODES) -> list[dict[str, Any]]:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     group = None
     if store is not None:
@@ -158,15 +171,16 @@ def measure(rank: int, world: int, args: argparse.Namespace, store: str | None) 
     model = Model(args).to(dev)
     x = torch.randint(0, 1024, (args.batch, args.seq), generator=torch.Generator().manual_seed(1)).to(dev)
     rows = []
-    for mode in MODES:
+    for mode in modes:
         if mode.endswith("partition_activations") and world < 2:
             continue
         ckpt.configure(MPU(group), checkpoint_in_cpu=mode.endswith("cpu_checkpointing"),
                        partition_activations=mode.endswith("partition_activations"))
         model.checkpointed = mode != "plain"
-        _step(model, x).backward()  # warm-up: gradients allocated, as in training
-        saved, inputs, host = _saved(model, x)
-        peak = _cuda_peak(model, x) if dev.type == "cuda" else _cpu_peak(model, x)
+        _step(model, x[:1, :8]).backward()  # warm-up: code paths loaded, gradients allocated
+        gc.collect()
+        proc_memory.reset_peak()
+        base = proc_memory.status()["VmRSS"]
         times = []
         for _ in range(3):
             started = time.perf_counter()
@@ -174,7 +188,12 @@ def measure(rank: int, world: int, args: argparse.Namespace, store: str | None) 
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - started)
-        rows.append({"mode": mode, "saved": saved, "inputs": inputs, "host": host, "peak": peak,
+        # the resident peak of the training steps, before the measuring passes below (the
+        # profiler's own buffers would count in it)
+        rss = proc_memory.status()["VmHWM"] - base if dev.type == "cpu" else -1
+        saved, inputs, host = _saved(model, x)
+        peak = _cuda_peak(model, x) if dev.type == "cuda" else _cpu_peak(model, x)
+        rows.append({"mode": mode, "saved": saved, "inputs": inputs, "host": host, "peak": peak, "rss": rss,
                      "step": statistics.median(times)})
     if store is not None:
         dist.barrier()
@@ -182,8 +201,8 @@ def measure(rank: int, world: int, args: argparse.Namespace, store: str | None) 
     return rows
 
 
-def _entry(rank: int, world: int, args: argparse.Namespace, store: str, out: str) -> None:
-    torch.save(measure(rank, world, args, store), f"{out}.{rank}")
+def _entry(rank: int, world: int, args: argparse.Namespace, store: str, out: str, mode: str) -> None:
+    torch.save(measure(rank, world, args, store, (mode,)), f"{out}.{rank}")
 
 
 def main() -> None:
@@ -198,21 +217,28 @@ def main() -> None:
     if args.device == "cuda":
         per_rank = [measure(0, 1, args, None)]
     else:
-        with tempfile.TemporaryDirectory() as tmp:
-            mp.start_processes(_entry, args=(args.world, args, f"{tmp}/store", f"{tmp}/out"), nprocs=args.world,
-                               start_method="spawn")
-            per_rank = [torch.load(f"{tmp}/out.{r}", weights_only=True) for r in range(args.world)]
+        per_rank = [[] for _ in range(args.world)]
+        for mode in MODES:
+            if mode.endswith("partition_activations") and args.world < 2:
+                continue
+            with tempfile.TemporaryDirectory() as tmp:
+                mp.start_processes(_entry, args=(args.world, args, f"{tmp}/store", f"{tmp}/out", mode),
+                                   nprocs=args.world, start_method="spawn")
+                for r in range(args.world):
+                    per_rank[r] += torch.load(f"{tmp}/out.{r}", weights_only=True)
     peak = "CUDA peak (MiB)" if args.device == "cuda" else "CPU allocator peak (MiB)"
     lines = [f"Activation memory, {args.layers} blocks × dim {args.dim}, batch {args.batch} × {args.seq} tokens, "
              f"fp32, {args.device}, {len(per_rank)} rank(s); largest over ranks. Step times indicative only"
-             f"{' (taken on a shared, loaded machine)' if args.device == 'cpu' else ''}.", "",
+             f"{' (taken on a shared, loaded machine)' if args.device == 'cpu' else ''}. C allocator: "
+             + ("; ".join(f"`{k}={v}`" for k, v in allocator_settings().items()) or "glibc's defaults") + ".", "",
              f"| mode | saved for backward (MiB) | checkpointed inputs held (MiB) | of which in host memory (MiB) "
-             f"| {peak} | step (s) |",
-             "|---|---:|---:|---:|---:|---:|"]
+             f"| {peak} | peak RSS growth (MiB) | step (s) |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for i, row in enumerate(per_rank[0]):
-        worst = {k: max(r[i][k] for r in per_rank) for k in ("saved", "inputs", "host", "peak", "step")}
+        worst = {k: max(r[i][k] for r in per_rank) for k in ("saved", "inputs", "host", "peak", "rss", "step")}
+        rss = f"{worst['rss'] / MiB:.1f}" if worst["rss"] >= 0 else "–"
         lines.append(f"| {row['mode']} | {worst['saved'] / MiB:.1f} | {worst['inputs'] / MiB:.2f} | "
-                     f"{worst['host'] / MiB:.2f} | {worst['peak'] / MiB:.1f} | {worst['step']:.3f} |")
+                     f"{worst['host'] / MiB:.2f} | {worst['peak'] / MiB:.1f} | {rss} | {worst['step']:.3f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     name = "activation_memory-cuda.md" if args.device == "cuda" else "activation_memory.md"

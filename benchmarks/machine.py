@@ -67,6 +67,13 @@ def _git() -> str:
     return f"{head} + uncommitted changes in src/" if dirty else head
 
 
+def allocator_settings() -> dict[str, str]:
+    """The C allocator's settings from the environment, which every benchmark process inherits
+    (glibc reads them at start-up: ``MALLOC_*_`` variables and ``GLIBC_TUNABLES``)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k == "GLIBC_TUNABLES" or
+            (k.startswith("MALLOC_") and k.endswith("_"))}
+
+
 def describe() -> dict[str, Any]:
     """Machine and software facts recorded with every result file."""
     mem = _memory_gib()
@@ -82,4 +89,5 @@ def describe() -> dict[str, Any]:
         "deepspeed": _version("deepspeed"),
         "zeroshard": _version("zeroshard"),
         "zeroshard_git": _git(),
+        "allocator": allocator_settings(),
     }

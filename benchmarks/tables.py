@@ -85,6 +85,9 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], chart: str, chart
         f"- Date: {meta['date']}; the whole run took {meta['elapsed_s'] / 60:.1f} min",
         _load_line(rows, meta),
         f"- Command: `{meta['command']}`",
+        "- C allocator: " + ("; ".join(f"`{k}={v}`" for k, v in meta["allocator"].items())
+                             + " for every system's processes (README, \"Memory\")" if meta.get("allocator")
+                             else "glibc's defaults"),
     ]
     if any(r.get("timing") == "paired" for r in ok):
         rounds = max(r["paired"]["rounds"] for r in ok if r.get("paired"))
