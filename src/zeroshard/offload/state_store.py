@@ -122,6 +122,10 @@ class StateStore:
                 self.publish(sg.start, sg.end, self.master.flat[sg.start : sg.end])
         self.published = True
 
+    def settle(self) -> None:
+        """Wait for the writes the last :meth:`step` left in flight; an I/O error surfaces here
+        (the engine calls it at the end of its step, after publishing the parameters)."""
+
     def _step_resident(self, sg: SubGroup, grads: list[torch.Tensor], skip: Collection[torch.nn.Parameter]) -> None:
         self.master.attach_grads(grads, skip=skip, slices=sg.slices)
         try:

@@ -16,7 +16,9 @@ whatever the model size: ``sub_group_size`` is the knob.
 
 The step is a pipeline over sub-groups: while sub-group ``k`` is stepped, ``k+1`` (and further,
 with more slots) is being read and ``k-1`` written; the first sub-groups are read during the
-backward that ends the accumulation window (:meth:`SwappedStateStore.prefetch`). For the step,
+backward that ends the accumulation window (:meth:`SwappedStateStore.prefetch`), and the last
+sub-groups' writes finish while the engine publishes the updated parameters
+(:meth:`SwappedStateStore.settle`, still inside the step). For the step,
 each master's ``.data`` and each per-element state entry (``optimizer.state[master]["exp_avg"]``...)
 are pointed at the slot; afterwards the masters go back to NaN placeholders
 (:func:`~zeroshard.stages.master.swapped_placeholder`) and the entries are removed, so that the
@@ -218,11 +220,17 @@ class SwappedStateStore(StateStore):
                 host_memory.trim()
             slot.writes = [self.io.write(self.files[k], self.offsets[sg.index], slot.tensor(k)[: sg.numel],
                                          what=self._what(k, sg)) for k in self._kinds()]
-        for slot in self.slots:
-            slot.drain()  # a write error surfaces in this step, naming the file and sub-group
+        # The last sub-groups' writes stay in flight: they overlap the parameter publish, and
+        # settle() ends them within the same engine step.
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self.published = True
+
+    def settle(self) -> None:
+        """Wait for every write still in flight; a write error surfaces here, naming the file, the
+        sub-group and the step."""
+        for slot in self.slots:
+            slot.drain()
 
     def _local(self, sg: SubGroup, b: int, off: int) -> int:
         return self.master.buckets[b].start + off - sg.start
@@ -277,6 +285,7 @@ class SwappedStateStore(StateStore):
         """Publish every sub-group's masters from the file (after writes through the accessor)."""
         if self.publish is None or self.published or not self.swap_masters:
             return
+        self.settle()
         slot = self.slots[0]
         for sg in self.subgroups:
             slot.drain()
@@ -297,6 +306,7 @@ class SwappedStateStore(StateStore):
         return self._positions[id(m)]
 
     def _read_elems(self, kind: str, m: torch.nn.Parameter) -> torch.Tensor:
+        self.settle()  # the file's bytes must be the last step's
         sg, a, n = self._where(m)
         lo = self.offsets[sg.index] + a * 4
         base = lo - lo % 4096
@@ -307,6 +317,7 @@ class SwappedStateStore(StateStore):
 
     def _write_elems(self, kind: str, m: torch.nn.Parameter, values: torch.Tensor) -> None:
         self._cancel_prefetch()
+        self.settle()
         sg, a, n = self._where(m)
         lo = self.offsets[sg.index] + a * 4
         base = lo - lo % 4096

@@ -236,6 +236,7 @@ class ZeroOptimizer:
         self.store.step(g32, skip=unused)
         self.sync.zero()
         self.publish()
+        self.store.settle()  # swap-file writes left in flight by the step overlapped the publish
         host_memory.trim(self.device, training=True)
         return True
 
