@@ -8,7 +8,10 @@ the same values gives the same bits. 30 optimizer steps with gradient accumulati
 sizes that do not divide by the world size, small buckets and sub-groups (many sub-groups, so the
 read-ahead/write-behind pipeline and slot reuse are exercised), and a branch that some windows do
 not use at all (its optimizer state must stay untouched in the swap file, as plain PyTorch leaves
-it). The in-memory runs themselves are checked against plain PyTorch elsewhere
+it). ZeRO-3 with everything on NVMe also runs with a live budget that holds the whole model, where
+the optimizer state is read ahead during backward (no parameter is read from the disk there); with
+the small budget, backward reads parameters again and the read-ahead waits for the step. The
+in-memory runs themselves are checked against plain PyTorch elsewhere
 (``test_parity.py``, ``test_partial_grads.py``); one plain-PyTorch comparison here closes the loop.
 """
 
@@ -60,9 +63,10 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, DIM, generator=g), torch.randn(n, OUT, generator=g)
 
 
-def _config(stage: int, dtype: str, opt: str, param: str, nvme: str) -> dict[str, Any]:
+def _config(stage: int, dtype: str, opt: str, param: str, nvme: str, whole_live: bool = False) -> dict[str, Any]:
     z: dict[str, Any] = {"stage": stage, "reduce_bucket_size": 600, "sub_group_size": 700,
-                         "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 2000,
+                         "stage3_param_persistence_threshold": 0,
+                         "stage3_max_live_parameters": 10**9 if whole_live else 2000,
                          "stage3_prefetch_bucket_size": 1500}
     if opt != "none":
         z["offload_optimizer"] = {"device": opt, "nvme_path": nvme, "buffer_count": 3}
@@ -80,14 +84,18 @@ def _train(cfg: dict[str, Any], rank: int, world: int) -> tuple[list[torch.Tenso
     x, y = _data()
     model = _model()
     engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    io = getattr(engine.optimizer.store, "io", None)  # the optimizer state's swap-file I/O engine
+    read_in_backward = 0
     for step in range(STEPS):
         for m in range(GA):
             i = ((step * GA + m) * world + rank) * MB
             out = engine(x[i : i + MB], _uses_extra(step))
+            before = io.bytes_read if io is not None else 0
             engine.backward(F.mse_loss(out.float(), y[i : i + MB]))
+            read_in_backward += (io.bytes_read - before) if io is not None else 0
             engine.step()
     weights = [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()]  # type: ignore[union-attr]
-    placement = engine.optimizer.memory_placement()
+    placement = dict(engine.optimizer.memory_placement(), read_in_backward=read_in_backward)
     engine.destroy()
     return weights, placement
 
@@ -111,7 +119,8 @@ def _reference(world: int) -> list[torch.Tensor]:
 
 #: (stage, optimizer offload, parameter offload)
 CASES = [(1, "cpu", "none"), (1, "nvme", "none"), (2, "cpu", "none"), (2, "nvme", "none"),
-         (3, "cpu", "none"), (3, "nvme", "none"), (3, "cpu", "cpu"), (3, "nvme", "nvme"), (3, "none", "nvme")]
+         (3, "cpu", "none"), (3, "nvme", "none"), (3, "cpu", "cpu"), (3, "nvme", "nvme"), (3, "none", "nvme"),
+         (3, "nvme", "nvme", "whole model live")]
 
 
 def parity_worker(rank: int, world: int, dtypes: list[str], nvme: str) -> dict[str, Any]:
@@ -122,11 +131,13 @@ def parity_worker(rank: int, world: int, dtypes: list[str], nvme: str) -> dict[s
         if dtype == "fp32":
             plain = _reference(world)
             out["plain"] = max(float((a - b).norm() / b.norm()) for a, b in zip(refs[3], plain))
-        for stage, opt, param in CASES:
-            weights, placement = _train(_config(stage, dtype, opt, param, nvme), rank, world)
+        for stage, opt, param, *live in CASES:
+            cfg = _config(stage, dtype, opt, param, nvme, whole_live=bool(live))
+            weights, placement = _train(cfg, rank, world)
             same = all(torch.equal(a, b) for a, b in zip(weights, refs[stage]))
             dist = max(float((a - b).norm() / b.norm()) for a, b in zip(weights, refs[stage]))
-            out[f"{dtype} stage {stage} optimizer {opt} params {param}"] = (same, dist, placement)
+            out[f"{dtype} stage {stage} optimizer {opt} params {param}{', ' + live[0] if live else ''}"] = (
+                same, dist, placement)
     torch.distributed.barrier()  # every rank has destroyed its last engine
     out["leftover"] = sorted(os.listdir(nvme))  # swap directories removed by destroy()
     return out
@@ -142,6 +153,10 @@ def _check(results: dict[str, Any], world: int) -> None:
             assert placement["optimizer_states"].get("file", 0) > 0, (k, placement)
         if "params nvme" in k:
             assert placement["parameter_shard"].get("file", 0) > 0, (k, placement)
+        # Optimizer state is read ahead during backward unless backward reads parameters from the disk.
+        if "optimizer nvme" in k:
+            ahead = "params nvme" not in k or "whole model live" in k
+            assert (placement["read_in_backward"] > 0) == ahead, (k, placement["read_in_backward"])
 
 
 @pytest.mark.parametrize("world", [1, 2])

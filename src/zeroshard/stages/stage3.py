@@ -29,6 +29,7 @@ import torch.distributed as dist
 from zeroshard import host_memory
 from zeroshard.offload import OffloadPolicy
 from zeroshard.offload.param_store import make_param_shard
+from zeroshard.offload.policy import Residency
 from zeroshard.partition import (
     INIT_CHUNK_ATTR,
     SHAPE_ATTR,
@@ -112,6 +113,14 @@ class Stage3Optimizer(ZeroOptimizer):
         """Count the gradients each unit still waits for in this backward."""
         super().start_backward(boundary)
         self._grads_missing = {u: len(u.params) for u in self.units}
+
+    def _backward_reads_parameter_files(self) -> bool:
+        """Only a unit released since its forward is read again: when every unit is still gathered
+        (a live budget that holds the model, DeepSpeed's default for models under 1e9 parameters),
+        backward leaves the disk to the optimizer state read ahead for the step."""
+        if self.offload.params is not Residency.FILE:
+            return False
+        return any(not u.persistent and u not in self.coordinator.live for u in self.units)
 
     def _param_done(self, p: torch.nn.Parameter) -> None:
         u = self._unit_of[p]

@@ -203,8 +203,12 @@ class ZeroOptimizer:
         self.sync.start_backward(boundary)
         # Not when backward reads parameters from the disk too: the early reads then compete with
         # them (the 2.4B ZeRO-Infinity run got 12% slower), and the step only moves later.
-        if boundary and self.offload.params is not Residency.FILE:
+        if boundary and not self._backward_reads_parameter_files():
             self.store.prefetch()
+
+    def _backward_reads_parameter_files(self) -> bool:
+        """Whether the coming backward reads parameters from swap files (ZeRO-3 overrides it)."""
+        return self.offload.params is Residency.FILE
 
     def finish_backward(self) -> None:
         """After ``loss.backward()``: complete this micro-step's gradient communication (and, with
