@@ -50,7 +50,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import proc_memory  # noqa: E402
-from benchmarks.machine import allocator_settings  # noqa: E402
+from benchmarks.machine import allocator_settings, allocator_text  # noqa: E402
 
 MiB = 2**20
 MODES = ("plain", "checkpoint", "checkpoint + cpu_checkpointing", "checkpoint + partition_activations")
@@ -230,7 +230,7 @@ def main() -> None:
     lines = [f"Activation memory, {args.layers} blocks × dim {args.dim}, batch {args.batch} × {args.seq} tokens, "
              f"fp32, {args.device}, {len(per_rank)} rank(s); largest over ranks. Step times indicative only"
              f"{' (taken on a shared, loaded machine)' if args.device == 'cpu' else ''}. C allocator: "
-             + ("; ".join(f"`{k}={v}`" for k, v in allocator_settings().items()) or "glibc's defaults") + ".", "",
+             + allocator_text(allocator_settings()) + ".", "",
              f"| mode | saved for backward (MiB) | checkpointed inputs held (MiB) | of which in host memory (MiB) "
              f"| {peak} | peak RSS growth (MiB) | step (s) |",
              "|---|---:|---:|---:|---:|---:|---:|"]

@@ -74,6 +74,11 @@ def allocator_settings() -> dict[str, str]:
             (k.startswith("MALLOC_") and k.endswith("_"))}
 
 
+def allocator_text(settings: dict[str, str]) -> str:
+    """:func:`allocator_settings` as the reports write it."""
+    return "; ".join(f"`{k}={v}`" for k, v in settings.items()) or "glibc's defaults"
+
+
 def describe() -> dict[str, Any]:
     """Machine and software facts recorded with every result file."""
     mem = _memory_gib()

@@ -7,6 +7,7 @@ from typing import Any
 
 from benchmarks.derive import PEAK_BF16_FLOPS, MiB
 from benchmarks.goals import check
+from benchmarks.machine import allocator_text
 from benchmarks.spec import SIZES, SYSTEM_LABELS, SYSTEMS
 
 
@@ -85,9 +86,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], chart: str, chart
         f"- Date: {meta['date']}; the whole run took {meta['elapsed_s'] / 60:.1f} min",
         _load_line(rows, meta),
         f"- Command: `{meta['command']}`",
-        "- C allocator: " + ("; ".join(f"`{k}={v}`" for k, v in meta["allocator"].items())
-                             + " for every system's processes (README, \"Memory\")" if meta.get("allocator")
-                             else "glibc's defaults"),
+        "- C allocator: " + allocator_text(meta.get("allocator", {}))
+        + (" for every system's processes (README, \"Memory\")" if meta.get("allocator") else ""),
     ]
     if any(r.get("timing") == "paired" for r in ok):
         rounds = max(r["paired"]["rounds"] for r in ok if r.get("paired"))

@@ -285,11 +285,10 @@ class SwappedStateStore(StateStore):
         """Publish every sub-group's masters from the file (after writes through the accessor)."""
         if self.publish is None or self.published or not self.swap_masters:
             return
-        self.settle()
+        self.settle()  # the files hold the last step's values, and no slot is being written
         slot = self.slots[0]
         for sg in self.subgroups:
-            slot.drain()
-            if self.device.type == "cuda":
+            if self.device.type == "cuda":  # the previous sub-group's copies out of the buffer
                 torch.cuda.current_stream(self.device).synchronize()
             row = slot.tensor(MASTER)[: sg.numel]
             self.io.read(self.files[MASTER], self.offsets[sg.index], row, what=self._what(MASTER, sg)).wait()
