@@ -10,8 +10,10 @@ During training: ``os.pwrite`` failing with ``ENOSPC`` and ``os.preadv`` failing
 calls the I/O engine, ``offload/aio.py``, makes), armed after two good steps, and a swap file cut
 to nothing behind the engine's back (a read that comes back short, which must not read as zeros),
 each surface from ``engine.step()`` as :class:`~zeroshard.errors.OffloadIOError` naming the swap
-file, its errno, and the optimizer step; a failing read of ZeRO-3's parameter swap file surfaces
-from the forward. After each, ``engine.destroy()`` removes the swap directory. A clean
+file, its errno, and the optimizer step: a failed read from the step that reads, a failed write
+from the next step (a step's last writes run on under the next forward and backward), or from a
+checkpoint save, which then publishes nothing; a failing read of ZeRO-3's parameter swap file
+surfaces from the forward. After each, ``engine.destroy()`` removes the swap directory. A clean
 interpreter exit without ``destroy()`` removes it too (the ``atexit`` hook); a process that dies
 with ``os._exit`` does not, which shows that the hook, not luck, did it.
 """
@@ -185,11 +187,36 @@ def io_errors(root: Path) -> dict[str, Any]:
     return out
 
 
+def save_after_failed_write(root: Path) -> dict[str, Any]:
+    """Writes fail during the third step and the save after it (the disk is full); the error must
+    come from the step or the save, and no checkpoint of that state may be published."""
+    nvme, ckpt = root / "nvme", root / "ckpt"
+    nvme.mkdir()
+    engine, *_ = zeroshard.initialize(model=make_model(0), config=config(2, str(nvme)))
+    x, y = make_data(3, MB)
+    for step in range(2):
+        engine.backward(engine(x[step], y[step]))
+        engine.step()
+    out: dict[str, Any] = {"where": None}
+    with _failing("pwrite", errno.ENOSPC)():
+        engine.backward(engine(x[2], y[2]))
+        try:
+            engine.step()
+            engine.save_checkpoint(str(ckpt), tag="after_step_3")
+        except OffloadIOError as e:
+            out = {"where": "step" if engine.global_steps < 3 else "save", "message": str(e), "errno": e.errno}
+    out["published"] = sorted(p.name for p in ckpt.iterdir()) if ckpt.exists() else []
+    out["latest"] = (ckpt / "latest").exists()
+    engine.destroy()
+    return out
+
+
 def errors_worker(rank: int, world: int, root: str) -> dict[str, Any]:
     base = Path(root)
-    (base / "config").mkdir()
-    (base / "io").mkdir()
-    return {"config": config_errors(base / "config"), "io": io_errors(base / "io")}
+    for d in ("config", "io", "save"):
+        (base / d).mkdir()
+    return {"config": config_errors(base / "config"), "io": io_errors(base / "io"),
+            "save": save_after_failed_write(base / "save")}
 
 
 @pytest.fixture(scope="module")
@@ -238,13 +265,29 @@ def test_io_error_in_the_step_is_offload_io_error(results: dict[str, Any], case:
                                                   file: str) -> None:
     r = results["io"][case]
     assert r["where"] == "step", f"{case}: no OffloadIOError from engine.step() ({r})"
-    assert r["step"] == 3, r  # armed before the third step: it fails there, not later
     assert r["errno"] == errno_, r
     assert r["path"].startswith(r["dirs"][0]) and r["path"].endswith(file), r
-    assert r["path"] in r["message"] and "optimizer step 3" in r["message"], r["message"]
+    named = re.search(r"optimizer step (\d+)", r["message"])
+    assert named and r["path"] in r["message"], r["message"]
+    if case == "pwrite ENOSPC":
+        # Armed from the third step's forward. A step's last writes run on during the next forward
+        # and backward, and a write error surfaces from the next step() (first thing it does): so
+        # either step 2's last writes failed (raised by step 3) or step 3's (raised by step 4).
+        assert (r["step"], int(named[1])) in ((3, 2), (4, 3)), (r["step"], r["message"])
+    else:
+        assert r["step"] == 3 and int(named[1]) == 3, r  # a failed read: in the step that reads
     if case == "truncated":
         assert "short read" in r["message"], r["message"]
     assert r["existed"] and r["left"] == [], f"{case}: swap directory not removed by destroy(): {r['left']}"
+
+
+def test_failed_write_is_never_saved(results: dict[str, Any]) -> None:
+    """A step's last writes end after it returns; a save right after reads the files only once they
+    have ended, so their error stops the save instead of a checkpoint holding the stale state."""
+    r = results["save"]
+    assert r["where"] in ("step", "save") and r["errno"] == errno.ENOSPC, r
+    assert "No space left" in r["message"] and ".swp" in r["message"], r["message"]
+    assert not r["latest"] and "after_step_3" not in r["published"], r
 
 
 def test_io_error_reading_parameters_surfaces_in_forward(results: dict[str, Any]) -> None:

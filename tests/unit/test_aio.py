@@ -120,6 +120,59 @@ def test_empty_tensor_is_done_at_once(tmp_path: Path) -> None:
         h.wait()
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_read_after_a_write_waits_for_it_in_the_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       mode: str) -> None:
+    """A read into the buffer a slow write is still reading from, issued with ``after=``, returns
+    at once to the caller and starts only when the write has ended: the file gets the buffer's old
+    bytes, the buffer the file's other bytes (on 4 threads a read that did not wait would overwrite
+    the buffer before the write's later chunks read it)."""
+    numel = 64 * 1024  # 64 chunks of 4 KiB
+    with _swap_file(tmp_path / "swap", 2 * numel * 4, mode) as f, AsyncIO(4096, 8, 4) as io:
+        other = aligned_empty(numel, torch.float32).copy_(torch.arange(numel, dtype=torch.float32) + 0.5)
+        io.write(f, numel * 4, other).wait()
+        real = os.pwrite
+
+        def slow_pwrite(fd: int, data: Any, offset: int) -> int:
+            time.sleep(0.002)
+            return real(fd, data, offset)
+
+        monkeypatch.setattr(os, "pwrite", slow_pwrite)
+        buf = aligned_empty(numel, torch.float32).copy_(-torch.arange(numel, dtype=torch.float32))
+        old = buf.clone()
+        w = io.write(f, 0, buf)
+        r = io.read(f, numel * 4, buf, after=[w])
+        assert not r.done()  # queued behind the write, not run by the caller
+        r.wait()
+        assert w.done()
+        w.wait()
+        check = aligned_empty(numel, torch.float32)
+        io.read(f, 0, check).wait()
+    assert torch.equal(check, old), "the read overwrote the buffer while the write was still reading it"
+    assert torch.equal(buf, other)
+
+
+def test_request_after_a_failed_one_still_runs_and_the_error_stays_with_its_handle(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = os.pwrite
+
+    def full(*args: Any) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with SwapFile(tmp_path / "swap", 1 << 16, direct=False) as f, AsyncIO(4096, 2, 2) as io:
+        src = torch.arange(1024, dtype=torch.float32)
+        io.write(f, 4096, src).wait()
+        monkeypatch.setattr(os, "pwrite", full)
+        w = io.write(f, 0, torch.zeros(1024), what="sub-group 0")
+        out = torch.empty(1024)
+        r = io.read(f, 4096, out, after=[w, w])  # the same request twice: counted once each
+        r.wait()
+        monkeypatch.setattr(os, "pwrite", real)
+        with pytest.raises(OffloadIOError, match="sub-group 0.*No space left"):
+            w.wait()
+    assert torch.equal(out, src)
+
+
 # --------------------------------------------------------------------------- errors surface at wait()
 
 

@@ -12,6 +12,9 @@ of one large request starving the others; ``threads`` workers run them. An error
 request's remaining chunks and is raised by :meth:`IOHandle.wait` as
 :class:`~zeroshard.errors.OffloadIOError`, naming the file, the offset, the byte count, the
 caller's ``what`` and the OS error. A read that reaches the end of the file early is an error too.
+A request may be made to start only ``after`` others have ended: it is queued by the worker that
+ends the last of them, so a caller can issue a buffer's next read right behind the write still
+reading from it and go on, instead of waiting for the write itself.
 
 ``O_DIRECT`` files (``SwapFile.direct``) need aligned memory, offsets and lengths. Offsets must be
 multiples of :data:`ALIGNMENT` (checked, in both modes, so that code tested on one filesystem works
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 
@@ -85,6 +89,7 @@ class IOHandle:
         self._error_at = offset
         self._lock = threading.Lock()
         self._done = threading.Event()
+        self._callbacks: list[Callable[[], None]] = []
         if not self._chunks:
             self._done.set()
 
@@ -122,6 +127,14 @@ class IOHandle:
             code,
         ) from err
 
+    def _on_done(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` (in whichever thread ends the request) once the request is done, or now."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn()
+
     def _take(self) -> list[int]:
         """Chunk indices to queue now, within ``queue_depth``; none once an error stopped the request."""
         with self._lock:
@@ -141,6 +154,9 @@ class IOHandle:
                 self._error, self._error_at = error, self.offset + self._chunks[index][0]
             if self._in_flight == 0 and (self._error is not None or self._next == len(self._chunks)):
                 self._done.set()
+            callbacks, self._callbacks = (self._callbacks, []) if self._done.is_set() else ([], self._callbacks)
+        for fn in callbacks:
+            fn()
 
 
 class AsyncIO:
@@ -177,13 +193,18 @@ class AsyncIO:
         self._pending: set[IOHandle] = set()
         self._closed = False
 
-    def read(self, file: SwapFile, offset: int, out: torch.Tensor, *, what: str = "") -> IOHandle:
-        """Start filling the contiguous CPU tensor ``out`` from bytes ``[offset, offset + out.nbytes)`` of ``file``."""
-        return self._submit("read", file, offset, out, what)
+    def read(self, file: SwapFile, offset: int, out: torch.Tensor, *, what: str = "",
+             after: Sequence[IOHandle] = ()) -> IOHandle:
+        """Start filling the contiguous CPU tensor ``out`` from bytes ``[offset, offset + out.nbytes)``
+        of ``file``, once every request in ``after`` has ended (successfully or not: their errors
+        stay with their own handles)."""
+        return self._submit("read", file, offset, out, what, after)
 
-    def write(self, file: SwapFile, offset: int, src: torch.Tensor, *, what: str = "") -> IOHandle:
-        """Start writing the bytes of the contiguous CPU tensor ``src`` to ``file`` at ``offset``."""
-        return self._submit("write", file, offset, src, what)
+    def write(self, file: SwapFile, offset: int, src: torch.Tensor, *, what: str = "",
+              after: Sequence[IOHandle] = ()) -> IOHandle:
+        """Start writing the bytes of the contiguous CPU tensor ``src`` to ``file`` at ``offset``,
+        once every request in ``after`` has ended."""
+        return self._submit("write", file, offset, src, what, after)
 
     def close(self) -> None:
         """Wait for every pending request (their errors stay with their handles), then stop the threads."""
@@ -202,7 +223,8 @@ class AsyncIO:
     ) -> None:
         self.close()
 
-    def _submit(self, op: str, file: SwapFile, offset: int, t: torch.Tensor, what: str) -> IOHandle:
+    def _submit(self, op: str, file: SwapFile, offset: int, t: torch.Tensor, what: str,
+                after: Sequence[IOHandle]) -> IOHandle:
         label = f" ({what})" if what else ""
         if t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError(f"{op}{label}: needs a contiguous CPU tensor, got device {t.device}, "
@@ -224,7 +246,24 @@ class AsyncIO:
                 )
             if not handle.done():
                 self._pending.add(handle)
-        self._queue(handle)
+        waiting = [h for h in after if not h.done()]
+        if not waiting:
+            self._queue(handle)
+            return handle
+        # Queued by whichever of them ends last, in its worker thread: the caller does not wait
+        # (a buffer's next read can be issued right behind the write that still reads it).
+        left = [len(waiting)]
+        lock = threading.Lock()
+
+        def one_ended() -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                self._queue(handle)
+
+        for h in waiting:
+            h._on_done(one_ended)
         return handle
 
     def _queue(self, handle: IOHandle) -> None:

@@ -94,6 +94,9 @@ class StateStore:
         self.residency = residency
         self.subgroups = make_subgroups(master.buckets, master.slices, sub_group_size)
         self.publish = publish
+        #: called with each sub-group once it is stepped and published (stages 1-2 start its
+        #: parameters' all-gather there), or ``None``
+        self.stepped: Callable[[SubGroup], None] | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         #: whether :attr:`publish` has every sub-group's current masters (set by a step, cleared
         #: by writes through the accessor)
@@ -120,11 +123,9 @@ class StateStore:
             self._step_resident(sg, grads, skip)
             if self.publish is not None:
                 self.publish(sg.start, sg.end, self.master.flat[sg.start : sg.end])
+            if self.stepped is not None:
+                self.stepped(sg)
         self.published = True
-
-    def settle(self) -> None:
-        """Wait for the writes the last :meth:`step` left in flight; an I/O error surfaces here
-        (the engine calls it at the end of its step, after publishing the parameters)."""
 
     def _step_resident(self, sg: SubGroup, grads: list[torch.Tensor], skip: Collection[torch.nn.Parameter]) -> None:
         self.master.attach_grads(grads, skip=skip, slices=sg.slices)

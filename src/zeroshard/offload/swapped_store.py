@@ -15,10 +15,18 @@ sub-group. Host memory for the state is therefore ``slots × sub-group × (1 + k
 whatever the model size: ``sub_group_size`` is the knob.
 
 The step is a pipeline over sub-groups: while sub-group ``k`` is stepped, ``k+1`` (and further,
-with more slots) is being read and ``k-1`` written; the first sub-groups are read during the
-backward that ends the accumulation window (:meth:`SwappedStateStore.prefetch`), and the last
-sub-groups' writes finish while the engine publishes the updated parameters
-(:meth:`SwappedStateStore.settle`, still inside the step). For the step,
+with more slots) is being read and ``k-1`` written. Every slot but the one being stepped is being
+read into: a read is queued in the I/O engine right behind the writes still reading from its slot
+(``after=``), so neither waits in the training thread. The first sub-groups (one per slot) are
+read during the backward that ends the accumulation window (:meth:`SwappedStateStore.prefetch`),
+and the last sub-groups' writes (one per slot) stay in flight after the step: they overlap the
+parameter publish and the next forward and backward, and the next step's first reads queue
+behind them. On an I/O-bound step that moves a slot's worth of traffic per slot out of the step.
+The price is when a write error shows: not in the step that wrote, but from
+:meth:`SwappedStateStore.settle`, which the next step calls first and which every reader of the
+files (checkpoint save, ``safe_get_*``, load) calls first too, so no value read from a file is
+one whose write failed. The error still names the file, the sub-group and the step that wrote.
+For the step,
 each master's ``.data`` and each per-element state entry (``optimizer.state[master]["exp_avg"]``...)
 are pointed at the slot; afterwards the masters go back to NaN placeholders
 (:func:`~zeroshard.stages.master.swapped_placeholder`) and the entries are removed, so that the
@@ -38,7 +46,7 @@ from typing import Any
 import torch
 
 from zeroshard import host_memory
-from zeroshard.errors import ConfigError
+from zeroshard.errors import ConfigError, OffloadIOError
 from zeroshard.offload.aio import (
     AsyncIO,
     IOHandle,
@@ -67,25 +75,20 @@ def _per_element(v: Any, numel: int) -> bool:
 
 
 class _Slot:
-    """One sub-group buffer: a tensor per file, and the writes still reading from it."""
+    """One sub-group buffer: a tensor per file, and the writes still reading from it (the next read
+    into it starts after them)."""
 
     def __init__(self, numel: int, pin: bool) -> None:
         self.numel = numel
         self.pin = pin
         self.tensors: dict[str, torch.Tensor] = {}
         self.writes: list[IOHandle] = []
-        self.sg: SubGroup | None = None
 
     def tensor(self, kind: str) -> torch.Tensor:
         t = self.tensors.get(kind)
         if t is None:
             t = self.tensors[kind] = aligned_empty(self.numel, torch.float32, pin=self.pin)
         return t
-
-    def drain(self) -> None:
-        writes, self.writes = self.writes, []
-        for h in writes:
-            h.wait()
 
     @property
     def nbytes(self) -> int:
@@ -122,6 +125,9 @@ class SwappedStateStore(StateStore):
         self._positions: dict[int, tuple[SubGroup, int, int]] = {}
         #: reads of the first sub-groups started during backward (:meth:`prefetch`)
         self._early: dict[int, list[IOHandle]] = {}
+        #: writes no longer tied to a slot (a read was queued behind them) whose outcome nobody has
+        #: checked yet: :meth:`settle` raises their errors
+        self._unchecked: list[IOHandle] = []
         self.steps = 0
         if self.swap_masters:
             self._create(MASTER)
@@ -156,22 +162,23 @@ class SwappedStateStore(StateStore):
         return ([MASTER] if self.swap_masters else []) + self.keys
 
     def _start_read(self, sg: SubGroup, slot: _Slot, step: int | None = None) -> list[IOHandle]:
-        slot.drain()  # its last writes must be done before the buffer is refilled
-        if self.device.type == "cuda":  # and the asynchronous copies published from it
+        if self.device.type == "cuda":  # the asynchronous copies published from the buffer
             torch.cuda.current_stream(self.device).synchronize()
-        slot.sg = sg
+        # The I/O engine starts the reads once the slot's last writes have ended: the caller goes on.
+        after, slot.writes = slot.writes, []
+        self._unchecked.extend(after)
         return [self.io.read(self.files[k], self.offsets[sg.index], slot.tensor(k)[: sg.numel],
-                             what=self._what(k, sg, step)) for k in self._kinds()]
+                             what=self._what(k, sg, step), after=after) for k in self._kinds()]
 
     @property
     def _lookahead(self) -> int:
-        # With 3 or more slots one is left to the previous sub-group's writes, so they overlap
-        # the step instead of delaying the next read.
-        return max(1, len(self.slots) - 2)
+        # Every other slot: a read queued into the slot just stepped starts when its writes end.
+        return len(self.slots) - 1
 
     def prefetch(self) -> None:
         """Start reading the first sub-groups now (the engine calls it when the backward that ends
-        an accumulation window begins), so that their reads overlap backward instead of the step."""
+        an accumulation window begins), so that their reads overlap backward instead of the step;
+        each starts when the previous step's writes from its slot have ended."""
         if self._early:
             return
         for j in range(min(len(self.subgroups), self._lookahead + 1)):
@@ -185,7 +192,9 @@ class SwappedStateStore(StateStore):
                 h.wait()
 
     def step(self, grads: list[torch.Tensor], skip: Collection[torch.nn.Parameter] = ()) -> None:
-        """The pipelined step over sub-groups: read ahead, step, write behind."""
+        """The pipelined step over sub-groups: read ahead, step, write behind. The last sub-groups'
+        writes are still in flight when it returns (see :meth:`settle`)."""
+        self.settle()  # the previous step's writes, before any of its state is used
         self.steps += 1
         n = len(self.subgroups)
         reads, self._early = self._early, {}
@@ -220,17 +229,30 @@ class SwappedStateStore(StateStore):
                 host_memory.trim()
             slot.writes = [self.io.write(self.files[k], self.offsets[sg.index], slot.tensor(k)[: sg.numel],
                                          what=self._what(k, sg)) for k in self._kinds()]
-        # The last sub-groups' writes stay in flight: they overlap the parameter publish, and
-        # settle() ends them within the same engine step.
+            if self.stepped is not None:
+                self.stepped(sg)
+        # The last sub-groups' writes stay in flight: they overlap the parameter publish and the
+        # next forward and backward, where the next step's first reads queue behind them.
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self.published = True
 
     def settle(self) -> None:
-        """Wait for every write still in flight; a write error surfaces here, naming the file, the
-        sub-group and the step."""
+        """Wait for every write still in flight. A write error surfaces here, naming the file, the
+        sub-group and the step that wrote: from the next :meth:`step`, or from whatever reads the
+        state first (a checkpoint save, ``safe_get_*``, a load)."""
+        handles, self._unchecked = self._unchecked, []
         for slot in self.slots:
-            slot.drain()
+            handles += slot.writes
+            slot.writes = []
+        error: OffloadIOError | None = None
+        for h in handles:  # every one ends before the first error is raised: no write is left running
+            try:
+                h.wait()
+            except OffloadIOError as e:
+                error = error or e
+        if error is not None:
+            raise error
 
     def _local(self, sg: SubGroup, b: int, off: int) -> int:
         return self.master.buckets[b].start + off - sg.start
@@ -400,11 +422,10 @@ class SwappedStateStore(StateStore):
             self._cancel_prefetch()
         except OSError:
             pass
-        for slot in self.slots:
-            try:
-                slot.drain()
-            except OSError:
-                pass  # closing after a failed step: the error was raised there
+        try:
+            self.settle()
+        except OSError:
+            pass  # the files are removed next: nothing would read what failed to be written
         self.io.close()
         for f in self.files.values():
             f.close(remove=True)

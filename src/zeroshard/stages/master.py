@@ -11,6 +11,7 @@ given to the optimizer).
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -69,7 +70,9 @@ class MasterShard:
         self._gather_buffers: list[torch.Tensor] = []
         #: bytes those buffers took in the last update (what ``comm_workspace`` reports)
         self._gather_bytes = 0
-        self._gather_groups: tuple[int, list[tuple[list[Bucket], int, int]]] | None = None
+        self._gather_groups: tuple[tuple[int, tuple[int, ...]], list[tuple[list[Bucket], int, int]]] | None = None
+        #: the all-gather under way (:meth:`begin_all_gather`), or ``None``
+        self._gather: _Gather | None = None
         for b in buckets:
             for p, layout, off in zip(b.params, b.layouts, b.offsets):
                 s, e = layout.local_range(rank)
@@ -152,31 +155,62 @@ class MasterShard:
         out, and together they receive about ``bucket_numel`` elements (``allgather_bucket_size``:
         "elements all-gathered at a time"). They are freed when the update is done.
         """
-        world = C.world_size(group)
-        bucket_numel = buffer_numel(bucket_numel)
-        inflight: list[tuple[list[Bucket], int, torch.Tensor, dist.Work | None]] = []
-        for slot, (buckets, a, b) in enumerate(self._groups(bucket_numel)):
-            out = self._buffer(slot % COMM_BUFFERS, world, bucket_numel, dtype)[: world * (b - a)]
+        self.begin_all_gather(group, bucket_numel, dtype)
+        self.end_all_gather()
+
+    def begin_all_gather(self, group: dist.ProcessGroup | None, bucket_numel: int, dtype: torch.dtype,
+                         cuts: Sequence[int] = ()) -> None:
+        """Start an all-gather of the updated shard that :meth:`all_gather_through` advances as the
+        step finishes ranges of it, so that each range's collective runs while the next is being
+        stepped (and its optimizer state read from swap files). No gather spans a position in
+        ``cuts`` (the ends of the optimizer's sub-groups: a range is final only there)."""
+        self._gather = _Gather(group, C.world_size(group), buffer_numel(bucket_numel), dtype, tuple(sorted(cuts)))
+
+    def all_gather_through(self, end: int) -> None:
+        """Launch the gathers of every group that ends at or before flat position ``end`` (every
+        rank has stepped its row of them), copying out the oldest when both buffers are taken."""
+        g = self._gather
+        assert g is not None, "all_gather_through() outside begin_all_gather() / end_all_gather()"
+        groups = self._groups(g.bucket_numel, g.cuts)
+        while g.next < len(groups) and groups[g.next][2] <= end:
+            buckets, a, b = groups[g.next]
+            out = self._buffer(g.next % COMM_BUFFERS, g.world, g.bucket_numel, g.cuts, g.dtype)[: g.world * (b - a)]
             # This rank's row is packed where the gather puts it: the all-gather runs in place.
-            send = self._pack(buckets, a, b, out.view(world, b - a)[self.rank])
-            inflight.append((buckets, a, out, C.all_gather(out, send, group)))
-            if len(inflight) >= COMM_BUFFERS:  # the oldest buffer is the next one to fill
-                self._scatter_gathered(*inflight.pop(0), world)
-        while inflight:
-            self._scatter_gathered(*inflight.pop(0), world)
+            send = self._pack(buckets, a, b, out.view(g.world, b - a)[self.rank])
+            g.inflight.append((buckets, a, out, C.all_gather(out, send, g.group)))
+            g.next += 1
+            if len(g.inflight) >= COMM_BUFFERS:  # the oldest buffer is the next one to fill
+                self._scatter_gathered(*g.inflight.pop(0), g.world)
+
+    def end_all_gather(self) -> None:
+        """Gather what is left, copy every gathered group into the parameters, free the buffers."""
+        g = self._gather
+        assert g is not None, "end_all_gather() without begin_all_gather()"
+        self.all_gather_through(self.numel)
+        while g.inflight:
+            self._scatter_gathered(*g.inflight.pop(0), g.world)
+        self._gather = None
         self._gather_bytes = sum(t.numel() * t.element_size() for t in self._gather_buffers)
         self._gather_buffers = []
 
-    def _groups(self, bucket_numel: int) -> list[tuple[list[Bucket], int, int]]:
-        """Consecutive buckets gathered by one collective, with their row range ``[a, b)``."""
-        if self._gather_groups is None or self._gather_groups[0] != bucket_numel:
-            groups = consecutive_runs(self.buckets, lambda bk: bk.full_numel, bucket_numel)
+    def _groups(self, bucket_numel: int, cuts: tuple[int, ...] = ()) -> list[tuple[list[Bucket], int, int]]:
+        """Consecutive buckets gathered by one collective, with their row range ``[a, b)``; none
+        crosses a flat position in ``cuts``."""
+        key = (bucket_numel, cuts)
+        if self._gather_groups is None or self._gather_groups[0] != key:
+            segments: list[list[Bucket]] = []
+            for bk in self.buckets:
+                if not segments or bk.start in cuts:
+                    segments.append([])
+                segments[-1].append(bk)
+            groups = [g for seg in segments for g in consecutive_runs(seg, lambda bk: bk.full_numel, bucket_numel)]
             spans = [(g, g[0].start, g[-1].start + g[-1].numel) for g in groups]
-            self._gather_groups = (bucket_numel, spans)
+            self._gather_groups = (key, spans)
         return self._gather_groups[1]
 
-    def _buffer(self, slot: int, world: int, bucket_numel: int, dtype: torch.dtype) -> torch.Tensor:
-        rows = max(b - a for _g, a, b in self._groups(bucket_numel))
+    def _buffer(self, slot: int, world: int, bucket_numel: int, cuts: tuple[int, ...],
+                dtype: torch.dtype) -> torch.Tensor:
+        rows = max(b - a for _g, a, b in self._groups(bucket_numel, cuts))
         while len(self._gather_buffers) <= slot:
             self._gather_buffers.append(torch.empty(0))
         out = self._gather_buffers[slot]
@@ -208,3 +242,17 @@ class MasterShard:
             for p, layout, off in zip(bk.params, bk.layouts, bk.offsets):
                 col = bk.start - base + off
                 gather_from_rows(rows[:, col : col + layout.shard_numel], p.data.view(-1), skip_row=skip)
+
+
+@dataclass
+class _Gather:
+    """An all-gather of the updated shard under way (see :meth:`MasterShard.begin_all_gather`)."""
+
+    group: dist.ProcessGroup | None
+    world: int
+    bucket_numel: int
+    dtype: torch.dtype
+    cuts: tuple[int, ...]
+    #: index of the next group to launch
+    next: int = 0
+    inflight: list[tuple[list[Bucket], int, torch.Tensor, dist.Work | None]] = field(default_factory=list)

@@ -134,6 +134,10 @@ class Stage3Optimizer(ZeroOptimizer):
         self.coordinator.end_of_pass()
         host_memory.trim(self.device, training=True)
 
+    def _begin_publish(self) -> None:
+        """Nothing to gather: the store publishes each stepped sub-group into the parameter shard."""
+        return None
+
     def publish(self) -> None:
         """Refresh the 16-bit shard from the masters and drop stale gathered copies."""
         self.store.refresh()  # a no-op right after a step: it published each sub-group as it went

@@ -237,10 +237,19 @@ class ZeroOptimizer:
             if coef < 1.0:
                 torch._foreach_mul_(g32, coef)
         unused = {self.master.views[p] for p in self.sync.unused_params()}
-        self.store.step(g32, skip=unused)
+        stepped = self._begin_publish()
+        self.store.stepped = stepped
+        try:
+            self.store.step(g32, skip=unused)
+        finally:
+            self.store.stepped = None
         self.sync.zero()
-        self.publish()
-        self.store.settle()  # swap-file writes left in flight by the step overlapped the publish
+        # Swap-file writes the step left in flight overlap the rest of the publish, and the next forward.
+        if stepped is None:
+            self.publish()
+        else:
+            with torch.no_grad():
+                self.master.end_all_gather()
         host_memory.trim(self.device, training=True)
         return True
 
@@ -272,6 +281,21 @@ class ZeroOptimizer:
         if self.sharded:
             C.all_reduce(sq, self.group, async_op=False)
         return float(sq.sqrt().item())
+
+    def _begin_publish(self) -> Callable[[Any], None] | None:
+        """Sharded stages 1-2: start the parameters' all-gather, to be advanced as each of the
+        store's sub-groups is stepped, so that its collectives overlap the next sub-group's step and
+        swap-file reads instead of following the whole step. ``None``: :meth:`publish` after it."""
+        if not self.sharded:
+            return None
+        self.master.begin_all_gather(self.group, self.spec.allgather_bucket_size, self.policy.param_dtype,
+                                     cuts=[sg.end for sg in self.store.subgroups])
+
+        def stepped(sg: Any) -> None:
+            with torch.no_grad():
+                self.master.all_gather_through(sg.end)
+
+        return stepped
 
     def publish(self) -> None:
         """Make the module's parameters reflect the (updated or loaded) master weights."""
