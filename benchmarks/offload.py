@@ -451,6 +451,10 @@ def main(argv: list[str] | None = None) -> int:
     args.command = " ".join(["python benchmarks/offload.py", *(sys.argv[1:] if argv is None else argv)])
     systems = [s for s in args.systems.split(",") if s]
     wanted = [s.strip() for s in args.variants.split(",") if s.strip()]
+    unknown = [w for w in wanted if w not in {v.name for v in VARIANTS}]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {', '.join(map(repr, unknown))}; "
+                         f"choose from {', '.join(repr(v.name) for v in VARIANTS)}")
     variants = [v for v in VARIANTS if not wanted or v.name in wanted]
     args.nvme_path.mkdir(parents=True, exist_ok=True)
     loads = [os.getloadavg()[0]]
