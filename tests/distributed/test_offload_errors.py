@@ -153,9 +153,13 @@ def _failing(name: str, code: int) -> Callable[[], Any]:
     return arm
 
 
-def _truncate(path_of: Callable[[], Path]) -> Callable[[], Any]:
+def _truncate(path_of: Callable[[], Path], settle: Callable[[], None]) -> Callable[[], Any]:
     @contextmanager
     def arm() -> Iterator[None]:
+        # The previous step's last writes may still be running: one that ended after the cut would
+        # extend the file again, and the bytes before it would read back as a hole of zeros, which
+        # no reader can tell from data. The engine's pending writes end first, then the cut.
+        settle()
         os.truncate(path_of(), 0)  # another process, a full disk's repair, a user: the bytes are gone
         yield
 
@@ -167,7 +171,8 @@ def io_errors(root: Path) -> dict[str, Any]:
     cases: list[tuple[str, int, bool, Callable[[Any], Callable[[], Any]]]] = [
         ("pwrite ENOSPC", 2, False, lambda e: _failing("pwrite", errno.ENOSPC)),
         ("preadv EIO", 2, False, lambda e: _failing("preadv", errno.EIO)),
-        ("truncated", 2, False, lambda e: _truncate(lambda: e.optimizer.store.directory / "exp_avg.swp")),
+        ("truncated", 2, False, lambda e: _truncate(lambda: e.optimizer.store.directory / "exp_avg.swp",
+                                                    e.optimizer.store.settle)),
         ("params preadv EIO", 3, True, lambda e: _failing("preadv", errno.EIO)),
     ]
     for name, stage, params, fault in cases:
