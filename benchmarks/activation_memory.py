@@ -56,6 +56,11 @@ MiB = 2**20
 MODES = ("plain", "checkpoint", "checkpoint + cpu_checkpointing", "checkpoint + partition_activations")
 
 
+def modes_for(world: int) -> tuple[str, ...]:
+    """The modes a run of ``world`` ranks measures (partitioning needs a group of several)."""
+    return tuple(m for m in MODES if world >= 2 or not m.endswith("partition_activations"))
+
+
 class Block(nn.Module):
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
@@ -159,7 +164,7 @@ def _cuda_peak(model: Model, x: torch.Tensor) -> int:
 
 
 def measure(rank: int, world: int, args: argparse.Namespace, store: str | None,
-            modes: tuple[str, ...] = MODES) -> list[dict[str, Any]]:
+            modes: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     group = None
     if store is not None:
@@ -171,9 +176,7 @@ def measure(rank: int, world: int, args: argparse.Namespace, store: str | None,
     model = Model(args).to(dev)
     x = torch.randint(0, 1024, (args.batch, args.seq), generator=torch.Generator().manual_seed(1)).to(dev)
     rows = []
-    for mode in modes:
-        if mode.endswith("partition_activations") and world < 2:
-            continue
+    for mode in modes if modes is not None else modes_for(world):
         ckpt.configure(MPU(group), checkpoint_in_cpu=mode.endswith("cpu_checkpointing"),
                        partition_activations=mode.endswith("partition_activations"))
         model.checkpointed = mode != "plain"
@@ -218,9 +221,7 @@ def main() -> None:
         per_rank = [measure(0, 1, args, None)]
     else:
         per_rank = [[] for _ in range(args.world)]
-        for mode in MODES:
-            if mode.endswith("partition_activations") and args.world < 2:
-                continue
+        for mode in modes_for(args.world):
             with tempfile.TemporaryDirectory() as tmp:
                 mp.start_processes(_entry, args=(args.world, args, f"{tmp}/store", f"{tmp}/out", mode),
                                    nprocs=args.world, start_method="spawn")

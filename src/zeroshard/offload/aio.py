@@ -154,7 +154,9 @@ class IOHandle:
                 self._error, self._error_at = error, self.offset + self._chunks[index][0]
             if self._in_flight == 0 and (self._error is not None or self._next == len(self._chunks)):
                 self._done.set()
-            callbacks, self._callbacks = (self._callbacks, []) if self._done.is_set() else ([], self._callbacks)
+            callbacks: list[Callable[[], None]] = []
+            if self._done.is_set():
+                callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
             fn()
 

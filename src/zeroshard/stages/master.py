@@ -164,17 +164,18 @@ class MasterShard:
         step finishes ranges of it, so that each range's collective runs while the next is being
         stepped (and its optimizer state read from swap files). No gather spans a position in
         ``cuts`` (the ends of the optimizer's sub-groups: a range is final only there)."""
-        self._gather = _Gather(group, C.world_size(group), buffer_numel(bucket_numel), dtype, tuple(sorted(cuts)))
+        groups = self._groups(buffer_numel(bucket_numel), tuple(sorted(cuts)))
+        rows = max((b - a for _g, a, b in groups), default=0)
+        self._gather = _Gather(group, C.world_size(group), dtype, groups, rows)
 
     def all_gather_through(self, end: int) -> None:
         """Launch the gathers of every group that ends at or before flat position ``end`` (every
         rank has stepped its row of them), copying out the oldest when both buffers are taken."""
         g = self._gather
         assert g is not None, "all_gather_through() outside begin_all_gather() / end_all_gather()"
-        groups = self._groups(g.bucket_numel, g.cuts)
-        while g.next < len(groups) and groups[g.next][2] <= end:
-            buckets, a, b = groups[g.next]
-            out = self._buffer(g.next % COMM_BUFFERS, g.world, g.bucket_numel, g.cuts, g.dtype)[: g.world * (b - a)]
+        while g.next < len(g.groups) and g.groups[g.next][2] <= end:
+            buckets, a, b = g.groups[g.next]
+            out = self._buffer(g.next % COMM_BUFFERS, g.world * g.rows, g.dtype)[: g.world * (b - a)]
             # This rank's row is packed where the gather puts it: the all-gather runs in place.
             send = self._pack(buckets, a, b, out.view(g.world, b - a)[self.rank])
             g.inflight.append((buckets, a, out, C.all_gather(out, send, g.group)))
@@ -199,8 +200,9 @@ class MasterShard:
         key = (bucket_numel, cuts)
         if self._gather_groups is None or self._gather_groups[0] != key:
             segments: list[list[Bucket]] = []
+            starts = set(cuts)
             for bk in self.buckets:
-                if not segments or bk.start in cuts:
+                if not segments or bk.start in starts:
                     segments.append([])
                 segments[-1].append(bk)
             groups = [g for seg in segments for g in consecutive_runs(seg, lambda bk: bk.full_numel, bucket_numel)]
@@ -208,15 +210,15 @@ class MasterShard:
             self._gather_groups = (key, spans)
         return self._gather_groups[1]
 
-    def _buffer(self, slot: int, world: int, bucket_numel: int, cuts: tuple[int, ...],
-                dtype: torch.dtype) -> torch.Tensor:
-        rows = max(b - a for _g, a, b in self._groups(bucket_numel, cuts))
+    def _buffer(self, slot: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """All-gather buffer ``slot``, of at least ``numel`` elements (every rank's rows of the
+        largest group)."""
         while len(self._gather_buffers) <= slot:
             self._gather_buffers.append(torch.empty(0))
         out = self._gather_buffers[slot]
-        if out.dtype != dtype or out.numel() < world * rows:
+        if out.dtype != dtype or out.numel() < numel:
             # Freed after each publish: on CPU, outside the heap (see host_memory).
-            out = self._gather_buffers[slot] = host_memory.empty(world * rows, dtype, self.comm_device)
+            out = self._gather_buffers[slot] = host_memory.empty(numel, dtype, self.comm_device)
         return out
 
     def _pack(self, buckets: list[Bucket], a: int, b: int, send: torch.Tensor) -> torch.Tensor:
@@ -250,9 +252,11 @@ class _Gather:
 
     group: dist.ProcessGroup | None
     world: int
-    bucket_numel: int
     dtype: torch.dtype
-    cuts: tuple[int, ...]
+    #: the groups to gather, in order (:meth:`MasterShard._groups`)
+    groups: list[tuple[list[Bucket], int, int]]
+    #: row elements of the largest group (what each buffer must hold per rank)
+    rows: int
     #: index of the next group to launch
     next: int = 0
     inflight: list[tuple[list[Bucket], int, torch.Tensor, dist.Work | None]] = field(default_factory=list)

@@ -42,6 +42,7 @@ from zeroshard.comm import collectives as C
 from zeroshard.offload import OffloadPolicy
 from zeroshard.offload.factory import make_state_store, optimizer_state_device
 from zeroshard.offload.policy import Residency, should_pin
+from zeroshard.offload.state_store import SubGroup
 from zeroshard.partition import Bucket, buffer_numel, make_buckets
 from zeroshard.precision import LossScaler, PrecisionPolicy
 from zeroshard.stages.grad_sync import (
@@ -282,7 +283,7 @@ class ZeroOptimizer:
             C.all_reduce(sq, self.group, async_op=False)
         return float(sq.sqrt().item())
 
-    def _begin_publish(self) -> Callable[[Any], None] | None:
+    def _begin_publish(self) -> Callable[[SubGroup], None] | None:
         """Sharded stages 1-2: start the parameters' all-gather, to be advanced as each of the
         store's sub-groups is stepped, so that its collectives overlap the next sub-group's step and
         swap-file reads instead of following the whole step. ``None``: :meth:`publish` after it."""
@@ -291,7 +292,7 @@ class ZeroOptimizer:
         self.master.begin_all_gather(self.group, self.spec.allgather_bucket_size, self.policy.param_dtype,
                                      cuts=[sg.end for sg in self.store.subgroups])
 
-        def stepped(sg: Any) -> None:
+        def stepped(sg: SubGroup) -> None:
             with torch.no_grad():
                 self.master.all_gather_through(sg.end)
 
