@@ -110,9 +110,10 @@ def _mapped() -> bool:
     return hasattr(mmap, "MAP_ANONYMOUS") and os.environ.get("ZEROSHARD_HOST_MAPPED", "1") != "0"
 
 
-def mappable(device: torch.device, nbytes: int) -> bool:
-    """Whether a buffer of ``nbytes`` on ``device`` gets a mapping of its own (:func:`empty`)."""
-    return device.type == "cpu" and nbytes >= MAPPED_MIN_BYTES and _mapped()
+def mappable(device: torch.device, nbytes: int, min_bytes: int = MAPPED_MIN_BYTES) -> bool:
+    """Whether a buffer of ``nbytes`` on ``device`` gets a mapping of its own (:func:`empty`).
+    ``min_bytes`` lowers the size limit for a buffer made once (one system call is nothing then)."""
+    return device.type == "cpu" and nbytes >= min_bytes and _mapped()
 
 
 def empty(numel: int, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
@@ -145,6 +146,14 @@ class MappedBuffer:
         """The whole buffer as a 1-D tensor of ``dtype`` (its size a multiple of the item size)."""
         return self._bytes.view(dtype)
 
-    def drop(self) -> None:
-        """Return the pages to the system (``MADV_DONTNEED``); the buffer stays usable."""
-        self._map.madvise(mmap.MADV_DONTNEED)
+    def drop(self, start: int = 0, length: int | None = None) -> int:
+        """Return the pages to the system (``MADV_DONTNEED``); the buffer stays usable. With a byte
+        range, only the pages wholly inside it (a page it shares with bytes outside keeps them).
+        Returns the bytes dropped."""
+        end = len(self._map) if length is None else min(start + length, len(self._map))
+        first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+        last = end if end == len(self._map) else end // mmap.PAGESIZE * mmap.PAGESIZE
+        if last <= first:
+            return 0
+        self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
+        return last - first

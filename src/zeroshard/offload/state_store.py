@@ -101,6 +101,10 @@ class StateStore:
         #: whether :attr:`publish` has every sub-group's current masters (set by a step, cleared
         #: by writes through the accessor)
         self.published = True
+        #: called before the masters are read or written (the step, :meth:`refresh`,
+        #: :meth:`master_values`, :meth:`write_master`): ZeRO-3 rewrites the rows it lent to
+        #: gathered parameters (:mod:`zeroshard.stages.lent_rows`); ``None`` when nothing is lent
+        self.before_access: Callable[[], None] | None = None
 
     def bind(self, optimizer: torch.optim.Optimizer) -> None:
         """The torch optimizer over the master views (built by ``initialize`` or the client's)."""
@@ -119,6 +123,7 @@ class StateStore:
     def step(self, grads: list[torch.Tensor], skip: Collection[torch.nn.Parameter] = ()) -> None:
         """One optimizer step over every sub-group, with this rank's gradient shard (one flat
         fp32 tensor per bucket, unscaled and clipped); masters in ``skip`` get no gradient."""
+        self._access()
         for sg in self.subgroups:
             self._step_resident(sg, grads, skip)
             if self.publish is not None:
@@ -139,6 +144,7 @@ class StateStore:
         checkpoint load, ``GatheredParameters`` writes, ``safe_set_*``)."""
         if self.publish is None or self.published:
             return
+        self._access()
         for sg in self.subgroups:
             self.publish(sg.start, sg.end, self.master.flat[sg.start : sg.end])
         self.published = True
@@ -146,13 +152,19 @@ class StateStore:
     # -- the accessor ----------------------------------------------------------------------------
     def master_values(self, master: torch.nn.Parameter) -> torch.Tensor:
         """The fp32 values of one master (a view while resident: do not modify it)."""
+        self._access()
         return master.detach()
 
     def write_master(self, master: torch.nn.Parameter, values: torch.Tensor) -> None:
         """Overwrite one master's values."""
+        self._access()
         with torch.no_grad():
             master.data.copy_(values.reshape(master.shape))
         self.published = False
+
+    def _access(self) -> None:
+        if self.before_access is not None:
+            self.before_access()
 
     def state(self, master: torch.nn.Parameter) -> dict[str, Any]:
         """One master's optimizer state, complete (per-element tensors and scalars)."""

@@ -240,7 +240,9 @@ class ParamCoordinator:
                 self.live.move_to_end(u)
             if u.state is UnitState.SHARDED:
                 self.gather_count += 1
-            u.wait_gather()
+            if not record:
+                u.reclaim()  # the caller gets tensors it may keep or change: the shard must not need them
+            u.wait_gather(lend=record)
             self.last_used = u
         self._note_peak()
         self._evict()

@@ -43,7 +43,7 @@ class MasterShard:
     """
 
     def __init__(self, buckets: list[Bucket], rank: int, device: torch.device, alias_params: bool = False,
-                 swapped: bool = False, pin: bool = False) -> None:
+                 swapped: bool = False, pin: bool = False, droppable: bool = False) -> None:
         self.buckets = buckets
         self.rank = rank
         self.numel = sum(b.numel for b in buckets)
@@ -55,8 +55,15 @@ class MasterShard:
         self.swapped = swapped and not alias_params
         # Page-locked with CPU optimizer offload on an accelerator: updated masters then reach the
         # device by asynchronous copies that overlap the step of the next sub-group.
-        self.flat = torch.zeros(0 if alias_params or self.swapped else self.numel, dtype=torch.float32, device=device,
-                                pin_memory=pin and device.type == "cpu")
+        numel = 0 if alias_params or self.swapped else self.numel
+        #: with ``droppable`` (a large buffer in host memory, not page-locked), the mapping the flat
+        #: buffer lives in, so that :meth:`drop_pages` can hand ranges of it back to the system
+        self._flat_map: host_memory.MappedBuffer | None = None
+        if droppable and not pin and host_memory.mappable(device, numel * 4, min_bytes=1):
+            self._flat_map = host_memory.MappedBuffer(numel * 4)  # zero-filled, as torch.zeros
+            self.flat = self._flat_map.tensor(torch.float32)
+        else:
+            self.flat = torch.zeros(numel, dtype=torch.float32, device=device, pin_memory=pin and device.type == "cpu")
         #: the flat source of the compute-dtype parameters published after a step (stages 1-2
         #: pack their all-gathers from it): the masters, or a compute-dtype shard the swapped
         #: store keeps current
@@ -127,6 +134,20 @@ class MasterShard:
         """Drop the master gradients (they are views of a buffer the gradient sync owns)."""
         for master, *_ in self.slices if slices is None else slices:
             master.grad = None
+
+    @property
+    def droppable(self) -> bool:
+        """Whether :meth:`drop_pages` can free memory (the flat buffer has a mapping of its own)."""
+        return self._flat_map is not None
+
+    def drop_pages(self, start: int, end: int) -> int:
+        """Hand the memory of flat elements ``[start, end)`` back to the system: the pages wholly
+        inside the range read as zero until written again (a page shared with elements outside it
+        is kept). The caller must rewrite every element of the range before anything reads it.
+        Returns the bytes dropped."""
+        if self._flat_map is None:
+            return 0
+        return self._flat_map.drop(start * 4, (end - start) * 4)
 
     def bytes_held(self) -> int:
         """Bytes of the flat master buffer, padding included."""

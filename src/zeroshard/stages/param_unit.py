@@ -17,6 +17,10 @@ unit's memory alive until its backward, so that releasing after forward saved no
 gather refills the same storage, so those saved views read the gathered values again in backward.
 Releasing an explicit gather (``state_dict()``, ``GatheredParameters``) only drops the references:
 the caller may keep the tensors it was given.
+
+In fp32 with the shard in host memory, a unit gathered for training holds the only copy of this
+rank's row while it is gathered (the shard's pages are handed back, :mod:`~zeroshard.stages.lent_rows`);
+:meth:`ParamUnit.reclaim` writes the row back before the unit is released or handed out.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch.distributed as dist
 from zeroshard import host_memory
 from zeroshard.comm import collectives as C
 from zeroshard.partition import Bucket, full_shape, gather_from_rows
+from zeroshard.stages.lent_rows import RowLender
 
 
 class UnitState(enum.Enum):
@@ -77,6 +82,9 @@ class ParamUnit:
         #: called before each all-gather to check that every rank gathers this unit (see
         #: :class:`zeroshard.comm.agreement.GatherGuard`); ``None`` when verification is off
         self.verify: Callable[[ParamUnit], None] | None = None
+        #: fp32 in host memory: takes the shard's row back while the unit is gathered for training
+        #: (:mod:`~zeroshard.stages.lent_rows`); ``None`` where the gathered values are no copy of it
+        self.lender: RowLender | None = None
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -115,8 +123,9 @@ class ParamUnit:
             out = torch.empty(numel, dtype=self.dtype, device=self.device)
         self._pending = (out, C.all_gather(out, shard, self.group, what=self.gather_what))
 
-    def wait_gather(self) -> None:
-        """Finish a gather: full parameter tensors in place of the placeholders."""
+    def wait_gather(self, lend: bool = False) -> None:
+        """Finish a gather: full parameter tensors in place of the placeholders. With ``lend`` (a
+        gather for training), the shard's row may be handed to them until the unit is released."""
         if self.state is UnitState.SHARDED:
             self.launch_gather()
         if self.state is not UnitState.GATHERING:
@@ -145,6 +154,8 @@ class ParamUnit:
         if self._out_map is not None:
             self._out_map.drop()
         self.state = UnitState.GATHERED
+        if lend and self.lender is not None:
+            self.lender.lend(self)
 
     def _new_full_tensors(self) -> list[torch.Tensor]:
         numels = [shape.numel() for shape in self.shapes]
@@ -163,6 +174,7 @@ class ParamUnit:
         if self.state is UnitState.GATHERING:
             self.wait_gather()
         if self.state is UnitState.GATHERED:
+            self.reclaim()
             full = [p.data for p in self.params]
             for p in self.params:
                 p.data = torch.empty(0, dtype=self.dtype, device=self.device)
@@ -180,6 +192,7 @@ class ParamUnit:
     def write_back(self, rank: int, master_views: list[torch.Tensor] | None) -> None:
         """Copy the gathered values' local chunk into the shard (and fp32 masters, if given)."""
         assert self.state is UnitState.GATHERED
+        self.reclaim()
         shard = self._read_row() if self.swap is not None else self.shard
         assert shard is not None
         for i, (p, layout, off) in enumerate(zip(self.params, self.bucket.layouts, self.bucket.offsets)):
@@ -195,11 +208,17 @@ class ParamUnit:
         """Overwrite elements ``[off, off + len(values))`` of this rank's chunk of the unit."""
         if self.swap is None:
             assert self.shard is not None
+            self.reclaim()
             self.shard[off : off + values.numel()].copy_(values)
             return
         row = self._read_row()
         row[off : off + values.numel()].copy_(values)
         self.swap.write(self.bucket.index, row)
+
+    def reclaim(self) -> None:
+        """Make the shard hold this unit's row again if it was lent to the gathered tensors."""
+        if self.lender is not None:
+            self.lender.reclaim(self)
 
     def _read_row(self) -> torch.Tensor:
         """A private copy of this rank's chunk of the unit, read from the swap file."""

@@ -15,7 +15,9 @@ as soon as it is complete.
 Memory residency per rank (Ψ parameters, N ranks, 16-bit compute, Adam, gradients accumulated in
 the compute dtype): parameter shard 2Ψ/N + gradient shard 2Ψ/N + master 4Ψ/N + Adam 8Ψ/N = 16Ψ/N,
 plus the gathered units (bounded by ``stage3_max_live_parameters`` and the units in use) and the
-persistent small units. With fp32 compute the parameter shard *is* the master shard.
+persistent small units. With fp32 compute the parameter shard *is* the master shard, and in host
+memory a gathered unit's row of it is handed back to the system while the unit holds a copy
+(:mod:`~zeroshard.stages.lent_rows`): the rank then holds its chunk once, not twice.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from zeroshard.partition import (
 from zeroshard.precision import LossScaler, PrecisionPolicy
 from zeroshard.stages.coordinator import ParamCoordinator
 from zeroshard.stages.grad_sync import MicroStepReduceScatterSync
+from zeroshard.stages.lent_rows import RowLender
 from zeroshard.stages.param_unit import ParamUnit, UnitState
 from zeroshard.stages.units import is_leaf, unit_modules
 from zeroshard.stages.zero_optimizer import StageSpec, ZeroOptimizer
@@ -53,6 +56,7 @@ class Stage3Optimizer(ZeroOptimizer):
                  policy: PrecisionPolicy, scaler: LossScaler, group: dist.ProcessGroup | None,
                  device: torch.device, offload: OffloadPolicy | None = None) -> None:
         self.module = module
+        self.lender: RowLender | None = None
         super().__init__(param_groups, spec, policy, scaler, group, device, offload)
         dtype = policy.param_dtype
         #: the compute-dtype shard, where the offload policy puts it (device, host or a file)
@@ -78,6 +82,18 @@ class Stage3Optimizer(ZeroOptimizer):
                     delattr(p, INIT_CHUNK_ATTR)  # adopted into the shard buffers
             u.state = UnitState.GATHERED  # the module may still hold full values: release them now
             u.release(free_storage=False)  # the caller's tensors: dropped, not freed under them
+        released = [u for u in self.units if not u.persistent]
+        if (self.shard.aliased and self.master.droppable and self.policy.param_dtype == torch.float32
+                and spec.max_live_parameters >= sum(u.numel for u in released)):
+            # Only when the live budget holds the model (DeepSpeed's default for models up to 1e9
+            # parameters): each unit is then gathered once per pass, held to the end of its
+            # backward, and its row written back once. Under a smaller budget units are gathered
+            # again in backward, each time costing a write-back and page faults, to save 1/N of
+            # the few units the budget holds.
+            self.lender = RowLender(self.master.drop_pages, self.rank, names)
+            for u in released:  # not the persistent ones: gathered while the optimizer reads the row
+                u.lender = self.lender
+            self.store.before_access = self.lender.reclaim_all
         self.coordinator = ParamCoordinator(module, self.units, spec.max_live_parameters,
                                             spec.prefetch_bucket_size)
         self.coordinator.gather_persistent()
@@ -86,6 +102,13 @@ class Stage3Optimizer(ZeroOptimizer):
         self.sync.ordered = False
         self.sync.on_param_done = self._param_done
         assert isinstance(self.sync, MicroStepReduceScatterSync)
+
+    def _lends_rows(self, master_device: torch.device) -> bool:
+        """fp32 with the masters in host memory where parameters are gathered: a gathered unit holds
+        an exact copy of its row, which the master buffer can then lend it
+        (:mod:`~zeroshard.stages.lent_rows`)."""
+        return (self.policy.param_dtype == torch.float32 and master_device == self.device
+                and self.device.type == "cpu" and self.offload.params is not Residency.FILE)
 
     def _make_buckets(self, params: list[torch.nn.Parameter]) -> list[Bucket]:
         trained = set(params)

@@ -120,7 +120,8 @@ class ZeroOptimizer:
         alias = policy.param_dtype == torch.float32 and spec.stage < 3 and master_device == device
         self.master = MasterShard(self.buckets, self.rank if layout_world > 1 else 0, master_device,
                                   alias_params=alias, swapped=self.offload.optimizer is Residency.FILE,
-                                  pin=should_pin(self.offload.pin_memory, device))
+                                  pin=should_pin(self.offload.pin_memory, device),
+                                  droppable=self._lends_rows(master_device))
         self.master.comm_device = device
         #: where master weights and optimizer state live, and the one way to read or write them
         self.store = make_state_store(self.master, self.offload, device, self.rank)
@@ -144,6 +145,10 @@ class ZeroOptimizer:
         #: after a skipped step: the first parameter whose gradient was NaN or Inf (``None``: none
         #: was, the norm itself overflowed)
         self.nonfinite_param: torch.nn.Parameter | None = None
+
+    def _lends_rows(self, master_device: torch.device) -> bool:
+        """Whether the master buffer lends rows to gathered parameters (ZeRO-3 in fp32 on the CPU)."""
+        return False
 
     def _make_buckets(self, params: list[torch.nn.Parameter]) -> list[Bucket]:
         layout_world = self.world if self.spec.stage >= 1 else 1
