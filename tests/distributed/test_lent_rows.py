@@ -1,12 +1,15 @@
 """fp32 ZeRO-3 on the CPU hands a gathered unit's row of the master shard back to the system while
 the unit is gathered for training (``zeroshard.stages.lent_rows``). Checked in real 2-rank runs:
-the process really holds less (the master mapping's resident pages, from ``/proc/self/smaps``),
+the process really holds less (the master buffer's resident pages, from ``mincore(2)``),
 training reaches plain PyTorch's parameters, and everything that reads or writes the masters while
 rows are lent (``safe_get_*``, ``state_dict()``, a checkpoint saved after an evaluation forward,
 ``GatheredParameters`` with a modifier) sees the right values."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import mmap
 from pathlib import Path
 
 import pytest
@@ -35,10 +38,14 @@ class Net(nn.Module):
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         self.head.weight = self.embed.weight
         self.touch = False  # change a gathered weight in place during forward (an error)
+        self.recompute = False  # activation checkpointing: the MLP runs again in backward
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.up(h)))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         h = self.embed(idx)
-        h = h + self.down(torch.tanh(self.up(h)))
+        h = h + (zeroshard.checkpointing.checkpoint(self.mlp, h) if self.recompute else self.mlp(h))
         if self.touch:  # gathered now; autograd saved no copy of a bias
             with torch.no_grad():
                 self.down.bias.add_(0.0)
@@ -79,17 +86,16 @@ def config(zero: dict) -> dict:
 
 
 def resident_bytes(t: torch.Tensor) -> int:
-    """Resident bytes of the mapping that holds ``t`` (``/proc/self/smaps``)."""
-    ptr = t.data_ptr()
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            lo, hi = (int(v, 16) for v in head.split("-"))
-            inside = lo <= ptr < hi
-        elif inside and head == "Rss:":
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no mapping holds the tensor")
+    """Bytes of the pages under ``t`` that are in memory, as the kernel says (``mincore(2)``)."""
+    page = mmap.PAGESIZE
+    lo = t.data_ptr() // page * page
+    pages = -(-(t.data_ptr() + t.numel() * t.element_size() - lo) // page)
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    if libc.mincore(ctypes.c_void_p(lo), ctypes.c_size_t(pages * page), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(v & 1 for v in vec) * page
 
 
 VARIANTS = {
@@ -99,11 +105,14 @@ VARIANTS = {
     "budget": {"stage3_max_live_parameters": 241_501, "stage3_prefetch_bucket_size": 130_000},
     # one unit short: units are gathered again in backward, and nothing is lent
     "tight": {"stage3_max_live_parameters": 241_500, "stage3_prefetch_bucket_size": 130_000},
+    # the defaults with the MLP checkpointed: its recomputation in backward reads the lent units
+    "recompute": {},
 }
 
 
-def train_worker(rank: int, world: int, zero: dict, workdir: str) -> dict:
+def train_worker(rank: int, world: int, zero: dict, workdir: str, recompute: bool) -> dict:
     model = build()
+    model.recompute = recompute
     engine, _, _, _ = zeroshard.initialize(model=model, config=config(zero))
     opt = engine.optimizer
     x, y = data()
@@ -151,7 +160,7 @@ def train_worker(rank: int, world: int, zero: dict, workdir: str) -> dict:
 def test_lent_rows_train_exactly_and_free_memory(variant: str, tmp_path: Path) -> None:
     ref = reference()
     ref_flat = torch.cat([t.reshape(-1) for t in ref.values()])
-    for r in run_distributed(train_worker, 2, VARIANTS[variant], str(tmp_path)):
+    for r in run_distributed(train_worker, 2, VARIANTS[variant], str(tmp_path), variant == "recompute"):
         flat = torch.cat([r["params"][n].reshape(-1) for n in ref])
         rel = ((flat - ref_flat).norm() / ref_flat.norm()).item()
         assert rel <= 1e-5, rel
