@@ -242,7 +242,9 @@ class ParamCoordinator:
                 self.gather_count += 1
             if not record:
                 u.reclaim()  # the caller gets tensors it may keep or change: the shard must not need them
-            u.wait_gather(lend=record)
+            # Lent only for a training forward, whose backward releases (and writes back) every unit
+            # soon: units an evaluation forward gathers may stay gathered until the next step.
+            u.wait_gather(lend=record and torch.is_grad_enabled())
             self.last_used = u
         self._note_peak()
         self._evict()

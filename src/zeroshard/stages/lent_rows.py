@@ -8,8 +8,9 @@ backward, so each rank would hold its own chunk twice over the whole pass: 4Ψ/N
 per rank for a 116M-parameter model on 2 ranks (``benchmarks/PROFILE.md``). FSDP2 does not pay
 it at its defaults because it re-shards after each block's forward.
 
-While a unit is gathered for training, the pages of its row are handed back to the system; the
-row is rewritten from the gathered tensors before the unit is released, before an explicit gather
+While a unit is gathered for training (by a forward with gradients enabled, whose backward ends
+by releasing it; units an evaluation forward gathers can stay gathered until the next step, and
+are not lent), the pages of its row are handed back to the system; the row is rewritten from the gathered tensors before the unit is released, before an explicit gather
 (``state_dict()``, ``GatheredParameters``) hands them out, and before anything reads or writes the
 masters (the state store calls :meth:`RowLender.reclaim_all` at each of its entry points: the
 step, checkpoints, ``safe_get_*``/``safe_set_*``). The cost is one copy of the row per release
