@@ -2,19 +2,21 @@
 
 With fp32 compute and the masters in host memory, a unit's row of the fp32 master shard is also
 the parameter shard it is gathered from, and the gathered unit holds an exact copy of that row in
-its full tensors. DeepSpeed's default live budget (``stage3_max_live_parameters``: 1e9) keeps a
-model of up to about half a billion parameters gathered from its forward to the end of its
+its full tensors. The default live budget (``stage3_max_live_parameters``: 1e9, DeepSpeed's)
+keeps a model of up to a billion parameters gathered from its forward to the end of its
 backward, so each rank would hold its own chunk twice over the whole pass: 4Ψ/N bytes, 222 MiB
 per rank for a 116M-parameter model on 2 ranks (``benchmarks/PROFILE.md``). FSDP2 does not pay
 it at its defaults because it re-shards after each block's forward.
 
 While a unit is gathered for training (by a forward with gradients enabled, whose backward ends
 by releasing it; units an evaluation forward gathers can stay gathered until the next step, and
-are not lent), the pages of its row are handed back to the system; the row is rewritten from the gathered tensors before the unit is released, before an explicit gather
-(``state_dict()``, ``GatheredParameters``) hands them out, and before anything reads or writes the
-masters (the state store calls :meth:`RowLender.reclaim_all` at each of its entry points: the
-step, checkpoints, ``safe_get_*``/``safe_set_*``). The cost is one copy of the row per release
-(1/N of what the gather itself copies).
+are not lent), the pages of its row are handed back to the system. The row is rewritten from the
+gathered tensors before the unit is released, before an explicit gather (``state_dict()``,
+``GatheredParameters``) hands them out, and before anything reads or writes the masters (the
+state store calls :meth:`RowLender.reclaim_all` at each of its entry points: the step,
+checkpoints, ``safe_get_*``/``safe_set_*``). The cost is one copy of the row per release (1/N of
+what the gather itself copies) into pages the kernel must fault in and zero again: 3-4% of a CPU
+step on the benchmark's GPTs. Stage 3 lends only when the live budget holds every released unit.
 
 A parameter changed in place while gathered for training (a change that is never written back)
 would put this rank's chunk of the change into its master and no other rank's: that is an error
@@ -53,7 +55,7 @@ class RowLender:
         self.names = names
         #: the units lent now, with each parameter's version counter when lent
         self.lent: dict[ParamUnit, list[int]] = {}
-        #: bytes handed back now, and at most (what ``memory_breakdown`` and the tests read)
+        #: bytes handed back now, and at most
         self.lent_bytes = 0
         self.peak_lent_bytes = 0
         self._freed: dict[ParamUnit, int] = {}
@@ -83,11 +85,10 @@ class RowLender:
                 if p._version != version:
                     raise ZeroshardError(
                         f"ZeRO-3 parameter {self.names.get(p, u.name)!r} was modified in place while gathered for "
-                        "training; "
-                        "such changes are not written back (use GatheredParameters(params, modifier_rank=...) "
-                        "outside forward), and in fp32 on the CPU this rank's chunk of its shard lives in the "
-                        "gathered tensor meanwhile, so its value is lost. Set ZEROSHARD_HOST_MAPPED=0 to keep "
-                        "a separate copy of the shard while gathered")
+                        "training; such changes are not written back (use GatheredParameters(params, "
+                        "modifier_rank=...) outside forward), and in fp32 on the CPU this rank's chunk of its shard "
+                        "lives in the gathered tensor meanwhile, so its value is lost. Set ZEROSHARD_HOST_MAPPED=0 "
+                        "to keep a separate copy of the shard while gathered")
                 s, e = layout.local_range(self.rank)
                 shard[off : off + (e - s)].copy_(p.data.reshape(-1)[s:e])
 
