@@ -244,25 +244,35 @@ def test_model_larger_than_budget_builds_and_trains() -> None:
         assert r["losses"][-1] < r["losses"][0]
 
 
-def _llama():
+#: (hidden size, ZeRO-3 settings): a budget of a few units (gathered again in backward), and the
+#: default budget holding the model, where every unit is gathered once per pass and lends its
+#: row of the fp32 shard (``zeroshard.stages.lent_rows``; rows of several pages at width 128)
+LLAMA_VARIANTS = {
+    "tight": (32, {"stage3_max_live_parameters": 3000, "stage3_prefetch_bucket_size": 3000}),
+    "lent": (128, {}),
+}
+
+
+def _llama(hidden: int = 32):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=97, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
     )
     return transformers.LlamaForCausalLM, cfg
 
 
-def hf_worker(rank: int, world: int) -> dict:
-    cls, hf_cfg = _llama()
+def hf_worker(rank: int, world: int, variant: str) -> dict:
+    hidden, zero = LLAMA_VARIANTS[variant]
+    cls, hf_cfg = _llama(hidden)
     torch.manual_seed(0)
     with zeroshard.zero.Init():
         model = cls(hf_cfg)
     cfg = {"train_batch_size": 4, "gradient_clipping": 1.0,
-           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                 "stage3_max_live_parameters": 3000, "stage3_prefetch_bucket_size": 3000},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}}}
     engine, _, _, _ = zeroshard.initialize(model=model, config=cfg)
+    lender = engine.optimizer.lender
     ids = torch.randint(0, 97, (3, 4, 10), generator=torch.Generator().manual_seed(5))
     mb = 4 // world
     for step in range(3):
@@ -274,11 +284,14 @@ def hf_worker(rank: int, world: int) -> dict:
         if rank == 0:
             norm.mul_(3.0)
     with engine.gathered():
-        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        out = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    out["lent bytes"] = torch.tensor(lender.peak_lent_bytes if lender is not None else 0)
+    return out
 
 
-def test_hugging_face_llama_under_zero_init() -> None:
-    cls, hf_cfg = _llama()
+@pytest.mark.parametrize("variant", sorted(LLAMA_VARIANTS))
+def test_hugging_face_llama_under_zero_init(variant: str) -> None:
+    cls, hf_cfg = _llama(LLAMA_VARIANTS[variant][0])
     torch.manual_seed(0)
     ref = cls(hf_cfg)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
@@ -292,7 +305,8 @@ def test_hugging_face_llama_under_zero_init() -> None:
         ref.model.norm.weight.mul_(3.0)
     want = {n: p.detach() for n, p in ref.named_parameters()}
     want_flat = torch.cat([t.reshape(-1) for t in want.values()])
-    for r in run_distributed(hf_worker, 2):
+    for r in run_distributed(hf_worker, 2, variant):
+        assert (int(r["lent bytes"]) > 0) == (variant == "lent")
         flat = torch.cat([r[n].reshape(-1) for n in want])
         assert ((flat - want_flat).norm() / want_flat.norm()).item() <= 1e-5
         torch.testing.assert_close(r["model.norm.weight"], want["model.norm.weight"], rtol=1e-6, atol=1e-6)
