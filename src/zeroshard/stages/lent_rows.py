@@ -53,12 +53,11 @@ class RowLender:
         self._drop = drop
         self.rank = rank
         self.names = names
-        #: the units lent now, with each parameter's version counter when lent
-        self.lent: dict[ParamUnit, list[int]] = {}
+        #: the units lent now: the bytes handed back, and each parameter's version counter when lent
+        self.lent: dict[ParamUnit, tuple[int, list[int]]] = {}
         #: bytes handed back now, and at most
         self.lent_bytes = 0
         self.peak_lent_bytes = 0
-        self._freed: dict[ParamUnit, int] = {}
 
     def lend(self, u: ParamUnit) -> None:
         """``u`` was just gathered for training: its row is in its full tensors, drop the shard's."""
@@ -67,17 +66,17 @@ class RowLender:
         freed = self._drop(u.bucket.start, u.bucket.start + u.bucket.numel)
         if not freed:
             return  # smaller than a page: nothing to gain, nothing to rewrite
-        self.lent[u] = [p._version for p in u.params]
-        self._freed[u] = freed
+        self.lent[u] = (freed, [p._version for p in u.params])
         self.lent_bytes += freed
         self.peak_lent_bytes = max(self.peak_lent_bytes, self.lent_bytes)
 
     def reclaim(self, u: ParamUnit) -> None:
         """Rewrite ``u``'s row of the shard from its gathered tensors (no-op unless lent)."""
-        versions = self.lent.pop(u, None)
-        if versions is None:
+        entry = self.lent.pop(u, None)
+        if entry is None:
             return
-        self.lent_bytes -= self._freed.pop(u)
+        freed, versions = entry
+        self.lent_bytes -= freed
         shard = u.shard
         assert shard is not None
         with torch.no_grad():

@@ -83,7 +83,8 @@ class Stage3Optimizer(ZeroOptimizer):
             u.state = UnitState.GATHERED  # the module may still hold full values: release them now
             u.release(free_storage=False)  # the caller's tensors: dropped, not freed under them
         released = [u for u in self.units if not u.persistent]
-        if (self.shard.aliased and self.master.droppable and self.policy.param_dtype == torch.float32
+        # droppable: the masters are fp32 in host memory where units are gathered (_lends_rows)
+        if (self.shard.aliased and self.master.droppable
                 and spec.max_live_parameters >= sum(u.numel for u in released)):
             # Only when the live budget holds the model (DeepSpeed's default for models up to 1e9
             # parameters): each unit is then gathered once per pass, held to the end of its
