@@ -61,6 +61,7 @@ def main() -> None:
         save_file(params, args.out)
     dist.barrier()
     dist.destroy_process_group()
+    Path(f"{args.out}.rank{rank}.done").touch()  # the last statement: see tests/teardown.py
 
 
 if __name__ == "__main__":

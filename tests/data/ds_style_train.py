@@ -11,8 +11,10 @@ accumulation, ``engine.step(lr_kwargs=...)``, ``engine.was_step_applied()``, the
 """
 
 import argparse
+import atexit
 import json
 import os
+from pathlib import Path
 
 import torch
 
@@ -40,6 +42,10 @@ def main() -> None:
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
 
+    # Runs after zeroshard's own exit handler (registered later, so run earlier): the script never
+    # destroys its process group, as DeepSpeed scripts seldom do; zeroshard must have.
+    atexit.register(lambda: Path(args.out, f"exit{os.environ['RANK']}.txt").write_text(
+        "initialized" if torch.distributed.is_initialized() else "destroyed"))
     deepspeed.init_distributed()
     rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
     device = deepspeed.accelerator.get_accelerator().device_name()

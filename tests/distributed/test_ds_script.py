@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import torch
+from teardown import died_in_teardown
 
 TESTS = Path(__file__).resolve().parents[1]
 SRC = TESTS.parent / "src"
@@ -67,8 +68,12 @@ def test_deepspeed_style_script_under_launch(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "zeroshard.cli.main", "launch", "--nproc_per_node", "2", str(SCRIPT),
            "--deepspeed", "--deepspeed_config", str(cfg), "--steps", str(STEPS), "--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    exits = [tmp_path / f"exit{r}.txt" for r in (0, 1)]  # written at exit, after zeroshard's handler
+    assert proc.returncode == 0 or died_in_teardown("ds_style_train", proc.stdout + proc.stderr, exits), \
+        proc.stdout[-4000:] + proc.stderr[-4000:]
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [f.read_text() for f in exits] == ["destroyed"] * 2, \
+        "the script ends without destroy_process_group; zeroshard's exit handler must destroy it"
     reference = _reference()
     for rank, rec in enumerate(records):
         assert (rec["rank"], rec["world"], rec["local_rank_env"]) == (rank, 2, rank)

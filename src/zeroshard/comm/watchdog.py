@@ -115,7 +115,18 @@ def start_heartbeat() -> None:
     _store = _default_store()
     if _store is not None:
         _heartbeat = Heartbeat(_store, dist.get_rank())
-        atexit.register(_heartbeat.stop)
+        atexit.register(_stop_at_exit)
+
+
+def _stop_at_exit() -> None:
+    """Stop the heartbeat and drop this module's references to the store, so that the store's
+    client is destroyed with the process group (by the script, or by ``init_distributed``'s exit
+    handler, which runs after this one) while the interpreter is whole, not in its teardown."""
+    global _heartbeat, _store
+    if _heartbeat is not None:
+        _heartbeat.stop()
+        _heartbeat.store = None  # type: ignore[assignment]
+    _heartbeat = _store = None
 
 
 def set_timeout(timeout: timedelta, group: dist.ProcessGroup | None = None) -> None:
