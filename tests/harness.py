@@ -26,11 +26,14 @@ import torch.multiprocessing as mp
 #: torch once, about a second less per rank than "spawn" (a fresh interpreter importing torch),
 #: over the few hundred jobs of the suite. Each rank still gets the test's environment as it is
 #: at the call (below), so both methods run the same code; ``spawn`` is there to check that.
+#: ``torch._dynamo`` is preloaded too: ``torch.optim.Optimizer``'s constructor imports it on first
+#: use, 1.1-2 s per rank of every job that builds an optimizer (17 s of the 40 s that
+#: test_parity.py and test_agreement.py took here).
 START_METHOD = os.environ.get("ZEROSHARD_TEST_START_METHOD", "forkserver")
 if START_METHOD not in ("forkserver", "spawn"):
     raise ValueError(f"ZEROSHARD_TEST_START_METHOD must be 'forkserver' or 'spawn', got {START_METHOD!r}")
 if START_METHOD == "forkserver":
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed"])
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
 
 
 def _entry(rank: int, fn: Callable[..., Any], world_size: int, workdir: str, args: tuple[Any, ...],
