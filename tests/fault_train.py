@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +74,7 @@ def main() -> None:
         save_file(params, args.out)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    Path(f"{args.out}.done{rank}").touch()  # the last statement: see tests/teardown.py
 
 
 if __name__ == "__main__":
