@@ -74,7 +74,7 @@ def main() -> None:
         save_file(params, args.out)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
-    Path(f"{args.out}.done{rank}").touch()  # the last statement: see tests/teardown.py
+    Path(f"{args.out}.rank{rank}.done").touch()  # the last statement: see tests/teardown.py
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from teardown import died_in_teardown
+from teardown import died_in_teardown, done_markers
 
 SCRIPT = Path(__file__).resolve().parent / "fault_train.py"
 TIMEOUT_S = 5.0
@@ -118,7 +118,7 @@ def run_trial(workdir: Path, fault: Fault | None, restarts: int = 0, stage: int 
             stderr += f"\n[trial] latest checkpoint does not load: {e}"
             latest_ok = False
     code = proc.returncode
-    if code != 0 and died_in_teardown("fault trial", stderr, [Path(f"{out}.done{r}") for r in range(2)]):
+    if code != 0 and died_in_teardown("fault trial", stderr, done_markers(out)):
         code = 0  # every rank finished; one died in torch's teardown after that (tests/teardown.py)
     return Outcome(code, seconds, stderr, params, leftovers, latest_ok)
 

@@ -25,6 +25,12 @@ from pathlib import Path
 ABORT_MARKS = ("terminate called without an active exception", "Signal 6 (SIGABRT)")
 
 
+def done_markers(out: Path | str, world: int = 2) -> list[Path]:
+    """The markers ranks ``0 .. world-1`` of a script writing next to ``out`` touch last:
+    ``<out>.rank<R>.done``."""
+    return [Path(f"{out}.rank{r}.done") for r in range(world)]
+
+
 def died_in_teardown(name: str, log: str, done: Iterable[Path]) -> bool:
     """Whether job ``name`` failed only by a teardown abort after every ``done`` marker was written
     (and if so, warn)."""

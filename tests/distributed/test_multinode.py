@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
-from teardown import died_in_teardown
+from teardown import died_in_teardown, done_markers
 
 TESTS = Path(__file__).resolve().parents[1]
 SRC = TESTS.parent / "src"
@@ -115,10 +115,6 @@ def _wait(jobs: dict[str, tuple[subprocess.Popen, Path]], done: list[Path]) -> N
                 proc.kill()
 
 
-def _done(out: Path) -> list[Path]:
-    return [Path(f"{out}.rank{r}.done") for r in range(2)]
-
-
 def _records(out: Path) -> list[dict]:
     return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
 
@@ -147,11 +143,11 @@ def test_every_launch_form_reaches_the_one_node_parameters(tmp_path: Path) -> No
     # One launch form at a time (the two nodes of the Slurm form together): all at once, 8 training
     # processes on the 2-core CI machine made a rank abort in gloo now and then.
     _wait({"one node, 2 processes": _start(_launch("--num_gpus", "2", *train, str(outs["one_node"])),
-                                           tmp_path, env, tmp_path / "one_node.log")}, _done(outs["one_node"]))
+                                           tmp_path, env, tmp_path / "one_node.log")}, done_markers(outs["one_node"]))
     _wait({"node 0 of 2": _start(node, tmp_path, slurm[0], tmp_path / "node0.log"),
-           "node 1 of 2": _start(node, tmp_path, slurm[1], tmp_path / "node1.log")}, _done(outs["node0"]))
+           "node 1 of 2": _start(node, tmp_path, slurm[1], tmp_path / "node1.log")}, done_markers(outs["node0"]))
     _wait({"hostfile over ssh": _start(_launch(*hostfile, *train, str(outs["hostfile"])),
-                                       tmp_path, env, tmp_path / "hostfile.log")}, _done(outs["hostfile"]))
+                                       tmp_path, env, tmp_path / "hostfile.log")}, done_markers(outs["hostfile"]))
 
     expected = load_file(outs["one_node"])
     for name in ("node0", "hostfile"):
