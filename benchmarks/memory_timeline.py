@@ -9,14 +9,18 @@ Trains the benchmark's GPT (``benchmarks/workload.py``) on ``--world-size`` spaw
 module's forward (forward hooks), after every parameter's gradient is accumulated (backward), and
 around each micro-step's forward, backward and the optimizer step. Each sample holds
 
-- live tensor bytes by category, each storage counted once, in this order of precedence:
+- live tensor bytes by category (on CPU, the storage's resident pages: a released ZeRO-3 unit's
+  mapping and a master row lent to a gathered unit keep their size but hold nothing), each storage
+  counted once, in this order of precedence:
   ``parameters`` (the module's, or ZeRO-3's shard), ``gathered`` (ZeRO-3 units gathered now, and
   all-gathers in flight), ``gradients`` (``.grad`` and the stage's accumulator), ``comm``
   (reduce buckets, all-gather buffers), ``master`` (fp32 master shard), ``optimizer`` (the torch
   optimizer's state), ``activations`` (tensors autograd saved for backward, not counted above);
 - on CPU: the process's RSS and its peak so far (``/proc/self/status``), and the bytes glibc's
   malloc has handed out (``mallinfo2``: in-use heap plus mmapped blocks), so
-  ``RSS - malloc`` is what the allocator keeps without any live allocation;
+  ``RSS - malloc`` is what the allocator keeps without any live allocation; ``heap``, the
+  resident bytes of malloc's main arena (``[heap]`` in ``/proc/self/smaps``), and ``free kept``,
+  the free bytes inside every arena (``mallinfo2``), which glibc holds for later allocations;
 - on CUDA: ``torch.cuda.memory_allocated`` / ``max_memory_allocated`` / ``memory_reserved``, and
   with ``--snapshot`` a ``torch.cuda.memory`` snapshot of the step (open it at
   https://pytorch.org/memory_viz).
@@ -81,7 +85,23 @@ def process_bytes(device: torch.device) -> dict[str, int]:
     if _LIBC is not None:
         info = _LIBC.mallinfo2()
         out["malloc"] = int(info.uordblks + info.hblkhd)
+        # Free bytes malloc keeps inside its arenas (every thread's): memory the process holds with
+        # nothing live in it, unless glibc has returned those pages (``malloc_trim``).
+        out["free kept"] = int(info.fordblks)
+    out["heap"] = _heap_rss()
     return out
+
+
+def _heap_rss() -> int:
+    """Resident bytes of the main malloc arena (``[heap]`` in ``/proc/self/smaps``)."""
+    with open("/proc/self/smaps") as f:
+        in_heap = False
+        for line in f:
+            if line[0] in "0123456789abcdef" and "-" in line.split()[0]:
+                in_heap = line.rstrip().endswith("[heap]")
+            elif in_heap and line.startswith("Rss:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def reset_peak(device: torch.device) -> None:
@@ -93,6 +113,24 @@ def reset_peak(device: torch.device) -> None:
 
 
 # -- tensor census ------------------------------------------------------------------------------
+_PAGE = 4096
+
+
+def _resident(ptr: int, nbytes: int) -> int:
+    """Bytes of ``[ptr, ptr + nbytes)`` in resident pages (``mincore``). A storage whose pages were
+    handed back (a released ZeRO-3 unit's mapping, a master row lent to a gathered unit) keeps
+    its size but holds no memory; counted by size it would be counted twice."""
+    if _LIBC is None:
+        return nbytes
+    lo, hi = ptr - ptr % _PAGE, ptr + nbytes
+    pages = -(-(hi - lo) // _PAGE)
+    vec = (ctypes.c_ubyte * pages)()
+    if _LIBC.mincore(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), vec) != 0:
+        return nbytes
+    resident = pages - bytes(vec).count(0)  # the low bit marks a resident page; the rest are 0
+    return min(nbytes, resident * _PAGE)
+
+
 def _storages(tensors: Iterable[Any]) -> Iterable[tuple[int, int]]:
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
@@ -100,7 +138,8 @@ def _storages(tensors: Iterable[Any]) -> Iterable[tuple[int, int]]:
             t = local if isinstance(local, torch.Tensor) else t
             st = t.untyped_storage()
             if st.nbytes():
-                yield st.data_ptr(), st.nbytes()
+                n = st.nbytes() if t.device.type != "cpu" else _resident(st.data_ptr(), st.nbytes())
+                yield st.data_ptr(), n
 
 
 class SavedTensors:
@@ -281,7 +320,7 @@ def _mark(tl: Timeline | None, label: str) -> None:
 def report(rows: list[dict[str, Any]], peaks: list[int], title: str) -> str:
     """Markdown: phase marks, the samples where RSS and each category peaked, per-rank peaks."""
     cols = [c for c in CATEGORIES if any(r[c] for r in rows)] + ["tensors"]
-    proc = [k for k in ("rss", "peak", "malloc", "allocated", "reserved") if k in rows[0]]
+    proc = [k for k in ("rss", "peak", "malloc", "heap", "free kept", "allocated", "reserved") if k in rows[0]]
     keep: dict[int, str] = {i: "" for i, r in enumerate(rows) if not r["at"].startswith(("fwd", "bwd"))}
     for key in ["tensors", *proc, *cols]:
         i = max(range(len(rows)), key=lambda j: rows[j][key])

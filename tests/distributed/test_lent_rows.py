@@ -29,13 +29,13 @@ class Net(nn.Module):
     elements, an odd row of 60,351 per rank for the first) next to persistent ones (the tied
     embedding, the norm)."""
 
-    def __init__(self) -> None:
+    def __init__(self, dim: int = DIM, hid: int = HID) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.up = nn.Linear(DIM, HID)
-        self.down = nn.Linear(HID, DIM)
-        self.norm = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.up = nn.Linear(dim, hid)
+        self.down = nn.Linear(hid, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB, bias=False)
         self.head.weight = self.embed.weight
         self.touch = False  # change a gathered weight in place during forward (an error)
         self.recompute = False  # activation checkpointing: the MLP runs again in backward
@@ -52,9 +52,9 @@ class Net(nn.Module):
         return self.head(self.norm(h))
 
 
-def build() -> Net:
+def build(dim: int = DIM, hid: int = HID) -> Net:
     torch.manual_seed(0)
-    return Net()
+    return Net(dim, hid)
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,8 +67,8 @@ def loss_of(logits: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, VOCAB), tgt.reshape(-1))
 
 
-def reference() -> dict[str, torch.Tensor]:
-    model = build()
+def reference(dim: int = DIM, hid: int = HID) -> dict[str, torch.Tensor]:
+    model = build(dim, hid)
     x, y = data()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     for step in range(STEPS):
@@ -194,3 +194,55 @@ def touch_worker(rank: int, world: int) -> str:
 def test_a_weight_changed_in_place_while_lent_is_an_error() -> None:
     for msg in run_distributed(touch_worker, 2):
         assert "modified in place while gathered" in msg and "'down.bias'" in msg, msg
+
+
+# Linear layers whose gathers are 1 MiB or more (the CPU ring all-gather, which copies this rank's
+# row into its output as it starts): 328,833 and 328,960 elements.
+WIDE = {"dim": 640, "hid": 513}
+
+
+def prefetch_worker(rank: int, world: int) -> dict:
+    engine, _, _, _ = zeroshard.initialize(model=build(**WIDE), config=config({}))
+    opt = engine.optimizer
+    x, y = data()
+    mb = BATCH // (GA * world)
+    seen: dict = {}
+
+    def after_embed(_m: nn.Module, _a: object, _o: object) -> None:
+        # The embedding is persistent and runs first: from the second pass (the first records the
+        # order) its fetch prefetches the whole model (the default prefetch), and neither linear
+        # layer's forward has waited for its gather yet.
+        if seen.get("now") and "lent" not in seen:
+            seen["lent"] = opt.lender.lent_bytes
+            seen["resident"] = resident_bytes(opt.master.flat)
+            # A reader of the masters while the rows are lent to gathers in flight.
+            seen["get_same"] = torch.equal(safe_get_full_fp32_param(engine.module.up.weight), seen["before"])
+
+    engine.module.embed.register_forward_hook(after_embed)
+    for step in range(STEPS):
+        for m in range(GA):
+            seen["now"] = step == 1
+            if step == 1 and m == 0:
+                seen["before"] = safe_get_full_fp32_param(engine.module.up.weight)
+            a = (m * world + rank) * mb
+            engine.backward(loss_of(engine(x[step, a : a + mb]), y[step, a : a + mb]))
+            engine.step()
+    seen.pop("before")
+    return {**seen, "master_bytes": opt.master.flat.numel() * 4, "prefetched": opt.coordinator.prefetch_count,
+            "params": {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()}}
+
+
+def test_prefetched_units_lend_their_rows_before_their_forward() -> None:
+    """At the start of forward the default prefetch has every unit's all-gather in flight. Their
+    rows are lent as the gathers start, not when each unit's forward waits for it: else the rank
+    holds the gathered model and its own rows together, 1/N of the model above the end of forward
+    (``benchmarks/PROFILE.md``)."""
+    ref = reference(**WIDE)
+    ref_flat = torch.cat([t.reshape(-1) for t in ref.values()])
+    linear_rows = (-(-(640 * 513 + 513) // 2) + 513 * 640 // 2 + 320) * 4
+    for r in run_distributed(prefetch_worker, 2):
+        flat = torch.cat([r["params"][n].reshape(-1) for n in ref])
+        assert ((flat - ref_flat).norm() / ref_flat.norm()).item() <= 1e-5
+        assert r["prefetched"] > 0 and r["get_same"]
+        assert r["lent"] >= linear_rows - 4 * 4096, (r["lent"], linear_rows)
+        assert r["resident"] <= r["master_bytes"] - r["lent"] + 4 * 4096, (r["resident"], r["master_bytes"])

@@ -248,6 +248,12 @@ class _RingAllGather(_Ring):
         return True
 
 
+def input_copied(work: Any) -> bool:
+    """Whether an all-gather returned by :func:`all_gather` no longer reads its input: the ring
+    copies it into its row of the output when it starts, and one rank's copies it at once."""
+    return work is None or isinstance(work, _RingAllGather)
+
+
 def _global_rank(group: ProcessGroup | None, r: int) -> int:
     return r if group is None else dist.get_global_rank(group, r)
 

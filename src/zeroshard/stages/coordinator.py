@@ -323,6 +323,8 @@ class ParamCoordinator:
             budget -= u.numel
             if u.state is UnitState.SHARDED:
                 u.launch_gather()
+                if torch.is_grad_enabled():  # a training forward, as in fetch
+                    u.lend_in_flight()
                 self.prefetch_count += 1
                 self.live[u] = None
                 self._ahead[u] = i

@@ -10,8 +10,12 @@ it at its defaults because it re-shards after each block's forward.
 
 While a unit is gathered for training (by a forward with gradients enabled, whose backward ends
 by releasing it; units an evaluation forward gathers can stay gathered until the next step, and
-are not lent), the pages of its row are handed back to the system. The row is rewritten from the
-gathered tensors before the unit is released, before an explicit gather (``state_dict()``,
+are not lent), the pages of its row are handed back to the system. A unit prefetched for training
+lends its row as its all-gather starts when that gather has copied the row into its output (the
+CPU ring does): the default prefetch starts every unit's gather in the first module, and lent only
+when each unit's forward waited for it, the rows and the landed gathers were held together. The
+row is rewritten from the gathered tensors (from the gather's output while it is in flight)
+before the unit is released, before an explicit gather (``state_dict()``,
 ``GatheredParameters``) hands them out, and before anything reads or writes the masters (the
 state store calls :meth:`RowLender.reclaim_all` at each of its entry points: the step,
 checkpoints, ``safe_get_*``/``safe_set_*``). The cost is one copy of the row per release (1/N of
@@ -60,8 +64,10 @@ class RowLender:
         self.peak_lent_bytes = 0
 
     def lend(self, u: ParamUnit) -> None:
-        """``u`` was just gathered for training: its row is in its full tensors, drop the shard's."""
-        if u in self.lent:
+        """``u`` was just gathered for training (its row is in its full tensors), or its gather was
+        prefetched for training and has already copied the row into its output: drop the shard's."""
+        if u in self.lent:  # lent while its gather was in flight: the tensors it now has are new
+            self.lent[u] = (self.lent[u][0], [p._version for p in u.params])
             return
         freed = self._drop(u.bucket.start, u.bucket.start + u.bucket.numel)
         if not freed:
@@ -79,6 +85,10 @@ class RowLender:
         self.lent_bytes -= freed
         shard = u.shard
         assert shard is not None
+        if u.in_flight:  # lent while its gather is in flight: the row is in the gather's output
+            with torch.no_grad():
+                shard.copy_(u.own_row(self.rank))
+            return
         with torch.no_grad():
             for p, layout, off, version in zip(u.params, u.bucket.layouts, u.bucket.offsets, versions):
                 if p._version != version:

@@ -135,6 +135,27 @@ class ParamUnit:
             out = torch.empty(numel, dtype=self.dtype, device=self.device)
         self._pending = (out, C.all_gather(out, shard, self.group, what=self.gather_what))
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether the unit's all-gather has been started and not yet waited for."""
+        return self.state is UnitState.GATHERING
+
+    def lend_in_flight(self) -> None:
+        """A prefetch for training: hand the shard's row to the all-gather in flight now, when it
+        has already copied the row into its output (the CPU ring), rather than when the unit's
+        forward waits for it. The default prefetch gathers a small model whole in its first
+        module; lent only at each unit's forward, the rank held the landed gathers and its own
+        rows together at the start of forward, 1/N of the model more than at its end."""
+        if (self.lender is not None and self.state is UnitState.GATHERING and self._pending is not None
+                and C.input_copied(self._pending[1])):
+            self.lender.lend(self)
+
+    def own_row(self, rank: int) -> torch.Tensor:
+        """This rank's row of the unit, in the shard's layout: from the gathered tensors' landing
+        buffer while the all-gather is in flight (the collective never writes this rank's row)."""
+        assert self.state is UnitState.GATHERING and self._pending is not None
+        return self._pending[0].view(self.world, self.bucket.numel)[rank]
+
     def wait_gather(self, lend: bool = False) -> None:
         """Finish a gather: full parameter tensors in place of the placeholders. With ``lend`` (a
         gather for training), the shard's row may be handed to them until the unit is released."""
