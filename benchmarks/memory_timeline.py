@@ -18,9 +18,10 @@ around each micro-step's forward, backward and the optimizer step. Each sample h
   optimizer's state), ``activations`` (tensors autograd saved for backward, not counted above);
 - on CPU: the process's RSS and its peak so far (``/proc/self/status``), and the bytes glibc's
   malloc has handed out (``mallinfo2``: in-use heap plus mmapped blocks), so
-  ``RSS - malloc`` is what the allocator keeps without any live allocation; ``heap``, the
-  resident bytes of malloc's main arena (``[heap]`` in ``/proc/self/smaps``), and ``free kept``,
-  the free bytes inside every arena (``mallinfo2``), which glibc holds for later allocations;
+  ``RSS - malloc`` is what the allocator keeps without any live allocation, and ``free kept``,
+  the free bytes inside malloc's arenas (``mallinfo2``), which glibc holds for later allocations
+  (the main arena is not always ``[heap]``: when ``brk`` cannot grow it, glibc extends it with
+  anonymous mappings);
 - on CUDA: ``torch.cuda.memory_allocated`` / ``max_memory_allocated`` / ``memory_reserved``, and
   with ``--snapshot`` a ``torch.cuda.memory`` snapshot of the step (open it at
   https://pytorch.org/memory_viz).
@@ -88,20 +89,7 @@ def process_bytes(device: torch.device) -> dict[str, int]:
         # Free bytes malloc keeps inside its arenas (every thread's): memory the process holds with
         # nothing live in it, unless glibc has returned those pages (``malloc_trim``).
         out["free kept"] = int(info.fordblks)
-    out["heap"] = _heap_rss()
     return out
-
-
-def _heap_rss() -> int:
-    """Resident bytes of the main malloc arena (``[heap]`` in ``/proc/self/smaps``)."""
-    with open("/proc/self/smaps") as f:
-        in_heap = False
-        for line in f:
-            if line[0] in "0123456789abcdef" and "-" in line.split()[0]:
-                in_heap = line.rstrip().endswith("[heap]")
-            elif in_heap and line.startswith("Rss:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def reset_peak(device: torch.device) -> None:
@@ -320,7 +308,7 @@ def _mark(tl: Timeline | None, label: str) -> None:
 def report(rows: list[dict[str, Any]], peaks: list[int], title: str) -> str:
     """Markdown: phase marks, the samples where RSS and each category peaked, per-rank peaks."""
     cols = [c for c in CATEGORIES if any(r[c] for r in rows)] + ["tensors"]
-    proc = [k for k in ("rss", "peak", "malloc", "heap", "free kept", "allocated", "reserved") if k in rows[0]]
+    proc = [k for k in ("rss", "peak", "malloc", "free kept", "allocated", "reserved") if k in rows[0]]
     keep: dict[int, str] = {i: "" for i, r in enumerate(rows) if not r["at"].startswith(("fwd", "bwd"))}
     for key in ["tensors", *proc, *cols]:
         i = max(range(len(rows)), key=lambda j: rows[j][key])
