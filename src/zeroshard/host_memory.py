@@ -11,11 +11,13 @@ any allocator setting: the user's process keeps glibc's defaults.
 
 ``zero.Init`` calls :func:`trim` after each few MiB of parameters it frees (it would otherwise
 grow a rank by more than the whole model; the cost is paid once), and so does the first step with
-NVMe optimizer offload after each sub-group's new optimizer state has gone to its swap files. In
-training it is an opt-in, because it costs step time (10-20% on the CPU benchmark,
-``benchmarks/PROFILE.md``): ``ZEROSHARD_MALLOC_TRIM=1`` also trims at the end of each backward
-and optimizer step and every 32 MiB of ZeRO-3 units released (CPU only), which lowers the
-training peak by 150-300 MiB there.
+NVMe optimizer offload after each sub-group's new optimizer state has gone to its swap files.
+ZeRO-3 training on the CPU trims every 32 MiB of units released, which in backward (and in forward,
+under a live budget smaller than the model) returns the activations and autograd's buffers freed
+so far before the gradient shard and the master rows fault in their pages: the 120M benchmark GPT
+peaks at 1,500 MiB per rank instead of 1,675 at the defaults, 1,342 instead of 1,687 with one block
+live, for 3-8% of step time (``benchmarks/PROFILE.md``). ``ZEROSHARD_MALLOC_TRIM=1`` also trims at
+the end of each backward and optimizer step (little more memory, more time);
 ``ZEROSHARD_MALLOC_TRIM=0`` turns every trim off. No allocator setting is ever changed, and it
 is a no-op where the C library has no ``malloc_trim`` (musl, macOS, Windows) and for device
 memory (CUDA's caching allocator is separate).
@@ -37,7 +39,7 @@ import ctypes
 import ctypes.util
 import mmap
 import os
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -60,17 +62,22 @@ def _mode() -> str:
     return os.environ.get("ZEROSHARD_MALLOC_TRIM", "")
 
 
-def enabled(training: bool = False) -> bool:
-    """Whether zeroshard returns freed host memory: in ``zero.Init`` unless turned off, in
-    training only when asked for (``ZEROSHARD_MALLOC_TRIM=1``)."""
+#: where a trim is asked for: ``"setup"`` (``zero.Init``, the first NVMe offload step) and
+#: ``"release"`` (ZeRO-3 units released in training) unless ``ZEROSHARD_MALLOC_TRIM=0``; ``"step"``
+#: (the end of each backward and optimizer step) only with ``ZEROSHARD_MALLOC_TRIM=1``
+TrimSite = Literal["setup", "release", "step"]
+
+
+def enabled(site: TrimSite = "setup") -> bool:
+    """Whether zeroshard returns freed host memory at ``site`` (see :data:`TrimSite`)."""
     if _MALLOC_TRIM is None or _mode() == "0":
         return False
-    return _mode() == "1" if training else True
+    return _mode() == "1" if site == "step" else True
 
 
-def trim(device: torch.device | None = None, training: bool = False) -> None:
+def trim(device: torch.device | None = None, site: TrimSite = "setup") -> None:
     """Return free heap pages to the system; nothing for a non-CPU ``device``."""
-    if (device is None or device.type == "cpu") and enabled(training):
+    if (device is None or device.type == "cpu") and enabled(site):
         _MALLOC_TRIM(0)
 
 
@@ -78,9 +85,9 @@ class TrimEvery:
     """Calls :func:`trim` once at least ``bytes_between`` bytes were freed since the last call
     (each call walks the heap: once per freed tensor would cost more than it returns)."""
 
-    def __init__(self, bytes_between: int, training: bool = False) -> None:
+    def __init__(self, bytes_between: int, site: TrimSite = "setup") -> None:
         self.bytes_between = bytes_between
-        self.training = training
+        self.site: TrimSite = site
         self._freed = 0
 
     def freed(self, nbytes: int) -> None:
@@ -88,7 +95,7 @@ class TrimEvery:
         self._freed += nbytes
         if self._freed >= self.bytes_between:
             self._freed = 0
-            trim(training=self.training)
+            trim(site=self.site)
 
 
 #: CPU buffers below this size stay with the C allocator: a mapping per small buffer would cost a

@@ -10,7 +10,8 @@ warm-up run before the baseline loads the code paths (shared-library pages count
 - Training peaks (fp32, AdamW, 2 ranks, micro batch 2 x 128 tokens x 2 accumulation, 3 steps)
   are below torch DDP's on the same model and data by at least 60% of the model-state bytes each
   stage shards away: stage 1 4Ψ, stage 2 6Ψ, stage 3 8Ψ bytes (Ψ parameters). Each system
-  runs in its own spawned job, with zeroshard's defaults (no heap trimming during training).
+  runs in its own spawned job, with zeroshard's defaults (ZeRO-3 trims the heap as it releases
+  units; stages 1-2 do not trim in training).
   Stage 3 runs at its default live budget (the whole 25M model stays gathered through the step)
   and at the setting that matches FSDP2's ``reshard_after_forward=True`` (README, "Memory");
   zeroshard's reduce buckets are 2M elements. Before zeroshard kept its own large buffers and
@@ -150,7 +151,7 @@ def _train(system: str, stage: int, cfg: GPTConfig, batches: list[Any], zero: di
 
 
 def train_worker(rank: int, world: int, system: str, stage: int, reshard: bool = False) -> dict[str, int]:
-    os.environ.pop("ZEROSHARD_MALLOC_TRIM", None)  # what users get: no trimming during training
+    os.environ.pop("ZEROSHARD_MALLOC_TRIM", None)  # what users get: zeroshard's default trimming
     zero = RESHARD if reshard else {}
     _warm_up(system, stage)
     batches = _batches(rank)

@@ -52,3 +52,44 @@ def test_small_or_device_buffers_are_ordinary_tensors(monkeypatch: pytest.Monkey
     assert not host_memory.mappable(torch.device("cpu"), 64 * MiB)
     t = host_memory.empty(10, torch.bfloat16, "meta")
     assert t.device.type == "meta" and t.dtype == torch.bfloat16 and t.numel() == 10
+
+
+def test_trim_sites_follow_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default zeroshard trims at set-up and as ZeRO-3 releases units in training, not at every
+    backward and step; ``1`` adds those, ``0`` turns every trim off."""
+    if host_memory._MALLOC_TRIM is None:
+        pytest.skip("no malloc_trim in this C library")
+    expected = {"": (True, True, False), "1": (True, True, True), "0": (False, False, False)}
+    for mode, want in expected.items():
+        monkeypatch.setenv("ZEROSHARD_MALLOC_TRIM", mode)
+        assert tuple(host_memory.enabled(site) for site in ("setup", "release", "step")) == want, mode
+
+
+def test_zero3_training_on_cpu_trims_as_units_are_released(monkeypatch: pytest.MonkeyPatch,
+                                                           process_group: None) -> None:
+    """One rank, stage 3, the whole model released in each backward: with the default setting the
+    released units' bytes reach the trim interval and malloc_trim runs during training; with
+    ``ZEROSHARD_MALLOC_TRIM=0`` it never does."""
+    if host_memory._MALLOC_TRIM is None:
+        pytest.skip("no malloc_trim in this C library")
+    import zeroshard
+    from zeroshard.stages import coordinator
+
+    calls: list[int] = []
+    monkeypatch.setattr(host_memory, "_MALLOC_TRIM", lambda pad: calls.append(pad) or 0)
+    monkeypatch.setattr(coordinator, "TRIM_BYTES", 1 << 20)  # a small model reaches it each step
+    counts = {}
+    for mode in ("", "0"):
+        monkeypatch.setenv("ZEROSHARD_MALLOC_TRIM", mode)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))
+        engine, *_ = zeroshard.initialize(model=model, config={
+            "train_batch_size": 4, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+        calls.clear()
+        for _ in range(3):
+            engine.backward(engine(torch.randn(4, 256)).square().mean())
+            engine.step()
+        counts[mode] = len(calls)
+        engine.destroy()
+    assert counts[""] >= 3 and counts["0"] == 0, counts

@@ -110,10 +110,11 @@ class ParamCoordinator:
         self._in_backward = False
         self.peak_gathered_numel = 0
         self._handles: list[Any] = []
-        # Released units leave holes in the heap between activations (CPU): with the opt-in
-        # ZEROSHARD_MALLOC_TRIM=1, give them back every TRIM_BYTES released (see host_memory).
+        # CPU: every TRIM_BYTES of units released, return what malloc holds free (activations and
+        # autograd's buffers freed meanwhile) before the gradient shard and the master rows fault
+        # in pages of their own; ZEROSHARD_MALLOC_TRIM=0 turns it off (see host_memory).
         self._trim = host_memory.TrimEvery(TRIM_BYTES if units and units[0].device.type == "cpu" else 2**62,
-                                           training=True)
+                                           site="release")
         self.gather_count = 0
         self.prefetch_count = 0
         self.last_used: ParamUnit | None = None

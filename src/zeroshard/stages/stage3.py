@@ -156,7 +156,7 @@ class Stage3Optimizer(ZeroOptimizer):
         """Complete the gradient collectives, then release every non-persistent unit."""
         self.sync.finish_backward()
         self.coordinator.end_of_pass()
-        host_memory.trim(self.device, training=True)
+        host_memory.trim(self.device, site="step")
 
     def _begin_publish(self) -> None:
         """Nothing to gather: the store publishes each stepped sub-group into the parameter shard."""

@@ -221,7 +221,7 @@ class ZeroOptimizer:
         ``ZEROSHARD_MALLOC_TRIM=1`` on CPU, give the heap the backward freed back to the system:
         :mod:`~zeroshard.host_memory`)."""
         self.sync.finish_backward()
-        host_memory.trim(self.device, training=True)
+        host_memory.trim(self.device, site="step")
 
     def step(self) -> bool:
         """Unscale, check overflow, clip and step. Returns whether the update was applied."""
@@ -256,7 +256,7 @@ class ZeroOptimizer:
         else:
             with torch.no_grad():
                 self.master.end_all_gather()
-        host_memory.trim(self.device, training=True)
+        host_memory.trim(self.device, site="step")
         return True
 
     def _first_nonfinite(self, g32: list[torch.Tensor]) -> torch.nn.Parameter | None:
