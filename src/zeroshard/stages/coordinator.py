@@ -110,9 +110,9 @@ class ParamCoordinator:
         self._in_backward = False
         self.peak_gathered_numel = 0
         self._handles: list[Any] = []
-        # CPU: every TRIM_BYTES of units released, return what malloc holds free (activations and
-        # autograd's buffers freed meanwhile) before the gradient shard and the master rows fault
-        # in pages of their own; ZEROSHARD_MALLOC_TRIM=0 turns it off (see host_memory).
+        # CPU: every TRIM_BYTES of units released in backward, return what malloc holds free (the
+        # activations and autograd's buffers freed meanwhile) before the gradient shard and the
+        # master rows fault in pages of their own; ZEROSHARD_MALLOC_TRIM=0 turns it off (see host_memory).
         self._trim = host_memory.TrimEvery(TRIM_BYTES if units and units[0].device.type == "cpu" else 2**62,
                                            site="release")
         self.gather_count = 0
@@ -362,7 +362,9 @@ class ParamCoordinator:
         if not u.persistent:
             was_gathered = u.state is not UnitState.SHARDED
             u.release(free_storage)
-            if was_gathered and free_storage:
+            # In backward only: there activations are being freed, while forward would hand back
+            # the free heap its own activations are about to fault in again.
+            if was_gathered and free_storage and self._in_backward:
                 self._trim.freed(u.numel * u.dtype.itemsize)
 
     def unpin(self, units: Iterable[ParamUnit]) -> None:
