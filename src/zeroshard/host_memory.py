@@ -12,9 +12,9 @@ any allocator setting: the user's process keeps glibc's defaults.
 ``zero.Init`` calls :func:`trim` after each few MiB of parameters it frees (it would otherwise
 grow a rank by more than the whole model; the cost is paid once), and so does the first step with
 NVMe optimizer offload after each sub-group's new optimizer state has gone to its swap files.
-ZeRO-3 training on the CPU trims every 32 MiB of units released, which in backward (and in forward,
-under a live budget smaller than the model) returns the activations and autograd's buffers freed
-so far before the gradient shard and the master rows fault in their pages: the 120M benchmark GPT
+ZeRO-3 training on the CPU trims every 32 MiB of units released in backward, which returns the
+activations and autograd's buffers freed so far before the gradient shard and the master rows
+fault in their pages: the 120M benchmark GPT
 peaks at 1,500 MiB per rank instead of 1,675 at the defaults, 1,342 instead of 1,687 with one block
 live, for 3-8% of step time (``benchmarks/PROFILE.md``). ``ZEROSHARD_MALLOC_TRIM=1`` also trims at
 the end of each backward and optimizer step (little more memory, more time);
