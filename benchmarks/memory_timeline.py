@@ -101,24 +101,6 @@ def reset_peak(device: torch.device) -> None:
 
 
 # -- tensor census ------------------------------------------------------------------------------
-_PAGE = 4096
-
-
-def _resident(ptr: int, nbytes: int) -> int:
-    """Bytes of ``[ptr, ptr + nbytes)`` in resident pages (``mincore``). A storage whose pages were
-    handed back (a released ZeRO-3 unit's mapping, a master row lent to a gathered unit) keeps
-    its size but holds no memory; counted by size it would be counted twice."""
-    if _LIBC is None:
-        return nbytes
-    lo, hi = ptr - ptr % _PAGE, ptr + nbytes
-    pages = -(-(hi - lo) // _PAGE)
-    vec = (ctypes.c_ubyte * pages)()
-    if _LIBC.mincore(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), vec) != 0:
-        return nbytes
-    resident = pages - bytes(vec).count(0)  # the low bit marks a resident page; the rest are 0
-    return min(nbytes, resident * _PAGE)
-
-
 def _storages(tensors: Iterable[Any]) -> Iterable[tuple[int, int]]:
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
@@ -126,7 +108,9 @@ def _storages(tensors: Iterable[Any]) -> Iterable[tuple[int, int]]:
             t = local if isinstance(local, torch.Tensor) else t
             st = t.untyped_storage()
             if st.nbytes():
-                n = st.nbytes() if t.device.type != "cpu" else _resident(st.data_ptr(), st.nbytes())
+                # On CPU, resident pages: a storage whose pages were handed back (a released ZeRO-3
+                # unit, a lent master row) keeps its size but holds nothing.
+                n = st.nbytes() if t.device.type != "cpu" else proc_memory.resident(st.data_ptr(), st.nbytes())
                 yield st.data_ptr(), n
 
 

@@ -1,8 +1,14 @@
-"""This process's real resident memory on Linux, from ``/proc/self``: what the memory benchmarks
-report, and the memory tests through ``tests/rss.py`` (``checkpoint_bench.py`` keeps its own,
-because its conversion subprocesses import it as a top-level module). Nothing here imports torch."""
+"""This process's real resident memory on Linux, from ``/proc/self`` and ``mincore(2)``: what the
+memory benchmarks report, and the memory tests through ``tests/rss.py`` (``checkpoint_bench.py``
+keeps its own, because its conversion subprocesses import it as a top-level module). Nothing here
+imports torch."""
 
 from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import mmap
 
 
 def status() -> dict[str, int]:
@@ -26,3 +32,27 @@ def reset_peak() -> None:
             f.write("5")  # VmHWM := VmRSS
     except OSError:
         pass
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return libc
+
+
+def resident(ptr: int, nbytes: int) -> int:
+    """Bytes of ``[ptr, ptr + nbytes)`` that are in memory, as the kernel says (``mincore(2)``).
+
+    A buffer whose pages were handed back (``MADV_DONTNEED``: a released ZeRO-3 unit's mapping, a
+    master row lent to a gathered unit) keeps its size but holds no memory.
+    """
+    page = mmap.PAGESIZE
+    lo = ptr // page * page
+    pages = -(-(ptr + nbytes - lo) // page)
+    vec = (ctypes.c_ubyte * pages)()
+    libc = _libc()
+    if libc.mincore(ctypes.c_void_p(lo), ctypes.c_size_t(pages * page), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    in_memory = pages - bytes(vec).count(0)  # the low bit marks a resident page; the rest are 0
+    return min(nbytes, in_memory * page)

@@ -1,7 +1,8 @@
 """A process's real resident memory, for the memory tests: current and peak RSS from /proc.
 
-:func:`status` is the benchmarks' reader (``benchmarks/proc_memory.py``); the tests' peak reset is
-stricter than theirs (it fails where the kernel refuses, and collects garbage first).
+:func:`status` and :func:`resident` are the benchmarks' readers (``benchmarks/proc_memory.py``);
+the tests' peak reset is stricter than theirs (it fails where the kernel refuses, and collects
+garbage first).
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for benchmarks/
-from benchmarks.proc_memory import status  # noqa: E402
+from benchmarks.proc_memory import resident, status  # noqa: E402
 
-__all__ = ["reset_peak", "status"]
+__all__ = ["reset_peak", "resident", "status"]
 
 
 def reset_peak() -> dict[str, int]:

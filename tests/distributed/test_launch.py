@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from teardown import died_in_teardown
+from teardown import died_in_teardown, done_markers
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 TIMEOUT_S = 120
@@ -35,7 +35,7 @@ record = {
 }
 (out / f"rank{rank}.json").write_text(json.dumps(record))
 dist.destroy_process_group()
-(out / f"done{rank}").touch()  # the last statement: see tests/teardown.py
+Path(f"{out}.rank{rank}.done").touch()  # the last statement: see tests/teardown.py
 """
 
 FAILING_WORKER = """\
@@ -55,7 +55,7 @@ def _launch_cmd(*args: str) -> list[str]:
 
 def _ended(code: int, log: str, out: Path) -> bool:
     """Exit 0, or only a teardown abort after both workers finished (:mod:`teardown`)."""
-    return code == 0 or died_in_teardown("launch", log, [out / f"done{r}" for r in range(2)])
+    return code == 0 or died_in_teardown("launch", log, done_markers(out))
 
 
 def _check_results(out: Path, script_args: list[str]) -> None:

@@ -7,12 +7,10 @@ rows are lent (``safe_get_*``, ``state_dict()``, a checkpoint saved after an eva
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import mmap
 from pathlib import Path
 
 import pytest
+import rss
 import torch
 import torch.nn.functional as F
 from harness import run_distributed
@@ -87,15 +85,7 @@ def config(zero: dict) -> dict:
 
 def resident_bytes(t: torch.Tensor) -> int:
     """Bytes of the pages under ``t`` that are in memory, as the kernel says (``mincore(2)``)."""
-    page = mmap.PAGESIZE
-    lo = t.data_ptr() // page * page
-    pages = -(-(t.data_ptr() + t.numel() * t.element_size() - lo) // page)
-    vec = (ctypes.c_ubyte * pages)()
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    if libc.mincore(ctypes.c_void_p(lo), ctypes.c_size_t(pages * page), vec) != 0:
-        raise OSError(ctypes.get_errno(), "mincore")
-    return sum(v & 1 for v in vec) * page
+    return rss.resident(t.data_ptr(), t.numel() * t.element_size())
 
 
 VARIANTS = {
@@ -239,7 +229,8 @@ def test_prefetched_units_lend_their_rows_before_their_forward() -> None:
     (``benchmarks/PROFILE.md``)."""
     ref = reference(**WIDE)
     ref_flat = torch.cat([t.reshape(-1) for t in ref.values()])
-    linear_rows = (-(-(640 * 513 + 513) // 2) + 513 * 640 // 2 + 320) * 4
+    # this rank's rows of up (weight 164,160 + bias 257 elements) and down (164,160 + 320)
+    linear_rows = (164_417 + 164_480) * 4
     for r in run_distributed(prefetch_worker, 2):
         flat = torch.cat([r["params"][n].reshape(-1) for n in ref])
         assert ((flat - ref_flat).norm() / ref_flat.norm()).item() <= 1e-5

@@ -146,14 +146,14 @@ class ParamUnit:
         forward waits for it. The default prefetch gathers a small model whole in its first
         module; lent only at each unit's forward, the rank held the landed gathers and its own
         rows together at the start of forward, 1/N of the model more than at its end."""
-        if (self.lender is not None and self.state is UnitState.GATHERING and self._pending is not None
+        if (self.lender is not None and self.in_flight and self._pending is not None
                 and C.input_copied(self._pending[1])):
             self.lender.lend(self)
 
     def own_row(self, rank: int) -> torch.Tensor:
         """This rank's row of the unit, in the shard's layout: from the gathered tensors' landing
         buffer while the all-gather is in flight (the collective never writes this rank's row)."""
-        assert self.state is UnitState.GATHERING and self._pending is not None
+        assert self.in_flight and self._pending is not None
         return self._pending[0].view(self.world, self.bucket.numel)[rank]
 
     def wait_gather(self, lend: bool = False) -> None:
