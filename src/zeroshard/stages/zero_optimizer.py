@@ -196,6 +196,17 @@ class ZeroOptimizer:
         """The torch optimizer's per-parameter state (of this rank's shard)."""
         return self._inner.state
 
+    def _get_loss_scale(self) -> float:
+        return float(self.scaler.scale)
+
+    def _set_loss_scale(self, value: float) -> None:
+        self.scaler.scale = float(value)
+
+    #: the loss scale in use now (1.0 unless fp16), under both names DeepSpeed's ZeRO optimizers
+    #: give it (scripts log ``engine.optimizer.cur_scale``)
+    cur_scale = property(_get_loss_scale, _set_loss_scale)
+    loss_scale = property(_get_loss_scale, _set_loss_scale)
+
     @property
     def _inner(self) -> torch.optim.Optimizer:
         if self.optimizer is None:
