@@ -96,7 +96,11 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], chart: str, chart
                    "machine load; ratios are medians of per-round ratios (the goals table also gives their "
                    "quartiles over the rounds, to show how much one round differs from the next). **alone** "
                    "is the median step of each system's own short run (fresh processes, the only model in "
-                   "memory), which also gives CPU s/step, start-up and memory.")
+                   "memory), which also gives CPU s/step, start-up and memory. The members share one heap: "
+                   "ZeRO-3's CPU `malloc_trim` (README, \"Memory\") returns the other members' free heap "
+                   "too, so they re-fault it: in a paired stage-3 job every member runs slower than with "
+                   "`ZEROSHARD_MALLOC_TRIM=0` (`benchmarks/results/stage3_alone.md` compares ZeRO-3 and "
+                   "FSDP2 in fresh processes instead).")
     if ok:
         job = ok[0]["job"]
         wl = job["workload"]
