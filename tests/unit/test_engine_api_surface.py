@@ -145,3 +145,23 @@ def test_unknown_initialize_keyword_is_an_error() -> None:
         zeroshard.initialize(model=torch.nn.Linear(2, 2), mpu=object(), config={})
     with pytest.raises(NotYetSupportedError, match="mesh_param"):
         zeroshard.initialize(model=torch.nn.Linear(2, 2), mesh_param=(2, 1), config={})
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_optimizer_attributes_scripts_read(stage: int, process_group: None) -> None:
+    """``engine.optimizer`` answers DeepSpeed's ZeRO-optimizer names for the loss scale, and its
+    ``state_dict`` / ``load_state_dict`` (per-rank in DeepSpeed) are errors naming the checkpoint API
+    instead of ``AttributeError``s."""
+    model = torch.nn.Linear(4, 2)
+    engine, optimizer, _, _ = zeroshard.initialize(model=model, config={
+        "train_batch_size": 2, "fp16": {"enabled": True, "initial_scale_power": 8},
+        "zero_optimization": {"stage": stage}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    assert optimizer is engine.optimizer
+    assert optimizer.cur_scale == optimizer.loss_scale == engine.cur_scale == 256.0
+    optimizer.cur_scale = 64.0  # DeepSpeed's properties have setters too
+    assert engine.cur_scale == optimizer.loss_scale == 64.0
+    with pytest.raises(NotYetSupportedError, match=r"optimizer\.state_dict.*engine\.save_checkpoint"):
+        optimizer.state_dict()
+    with pytest.raises(NotYetSupportedError, match=r"optimizer\.load_state_dict.*engine\.load_checkpoint"):
+        optimizer.load_state_dict({})
+    engine.destroy()

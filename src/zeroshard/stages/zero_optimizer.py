@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from zeroshard import host_memory
 from zeroshard.comm import collectives as C
+from zeroshard.errors import NotYetSupportedError
 from zeroshard.offload import OffloadPolicy
 from zeroshard.offload.factory import make_state_store, optimizer_state_device
 from zeroshard.offload.policy import Residency, should_pin
@@ -86,6 +87,12 @@ def _copy_range(target: torch.Tensor, a: int, b: int, values: torch.Tensor) -> N
 
 def _in_memory(places: dict[str, int]) -> int:
     return sum(v for k, v in places.items() if k != "file")
+
+
+def _use_checkpoints(method: str, instead: str) -> NotYetSupportedError:
+    return NotYetSupportedError(
+        f"engine.optimizer.{method}() is not supported: the optimizer state is sharded across ranks (and may live "
+        f"in host memory or swap files); {instead}", key=f"optimizer.{method}")
 
 
 class ZeroOptimizer:
@@ -206,6 +213,25 @@ class ZeroOptimizer:
     #: give it (scripts log ``engine.optimizer.cur_scale``)
     cur_scale = property(_get_loss_scale, _set_loss_scale)
     loss_scale = property(_get_loss_scale, _set_loss_scale)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Not supported: this rank's optimizer state is a shard (at some stages in host memory or
+        swap files), and a per-rank state dict would reload only at the same world size and stage.
+
+        Raises:
+            NotYetSupportedError: always, naming ``engine.save_checkpoint`` instead.
+        """
+        raise _use_checkpoints("state_dict", "save it with engine.save_checkpoint(dir), which reloads at any "
+                               "world size and stage")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Not supported (see :meth:`state_dict`).
+
+        Raises:
+            NotYetSupportedError: always, naming ``engine.load_checkpoint`` instead.
+        """
+        raise _use_checkpoints("load_state_dict", "load it with engine.load_checkpoint(dir), from a checkpoint "
+                               "saved by engine.save_checkpoint (zeroshard's or DeepSpeed's)")
 
     @property
     def _inner(self) -> torch.optim.Optimizer:
