@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -83,3 +85,9 @@ def train_reference_mixed(model: nn.Module, x: torch.Tensor, y: torch.Tensor, lr
             for m, p in zip(masters, model.parameters()):
                 p.copy_(m)
     return model
+
+
+def gathered_weights(engine: Any) -> dict[str, torch.Tensor]:
+    """The module's parameters, whole (gathered at ZeRO-3: a collective), as fp32 copies."""
+    with engine.gathered():
+        return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from harness import run_distributed
-from models import make_data, make_model, micro_batch, train_reference_mixed
+from models import gathered_weights, make_data, make_model, micro_batch, train_reference_mixed
 
 import zeroshard
 
@@ -27,13 +27,6 @@ def _offload(device: str | None, stage: int, nvme: str) -> dict:
     if stage == 3:
         z["offload_param"] = {"device": device, "nvme_path": nvme}
     return z
-
-
-def _weights(engine: zeroshard.ZeroEngine) -> dict[str, torch.Tensor]:
-    """The module's (fp16) parameters, whole (gathered at stage 3)."""
-    named = list(engine.module.named_parameters())
-    with zeroshard.zero.GatheredParameters([p for _, p in named]):
-        return {n: p.detach().float().clone() for n, p in named}
 
 
 def overflow_worker(rank: int, world: int, stage: int, offload: str | None, nvme: str) -> dict:
@@ -51,7 +44,7 @@ def overflow_worker(rank: int, world: int, stage: int, offload: str | None, nvme
     engine, _, _, _ = zeroshard.initialize(model=model, config=cfg)
     scales, changed = [], []
     for step in range(STEPS):
-        before = _weights(engine)
+        before = gathered_weights(engine)
         for m in range(GA):
             xb, yb = (micro_batch(t, step, m, rank, world, micro_bs) for t in (x, y))
             loss = engine(xb, yb)
@@ -62,10 +55,10 @@ def overflow_worker(rank: int, world: int, stage: int, offload: str | None, nvme
         scales.append(engine.cur_scale)
         # DeepSpeed's ZeRO optimizers name the scale in use both ways; scripts log either.
         assert engine.optimizer.cur_scale == engine.optimizer.loss_scale == engine.cur_scale
-        after = _weights(engine)
+        after = gathered_weights(engine)
         changed.append(any(not torch.equal(before[n], after[n]) for n in after))
     out = {"skipped": engine.skipped_steps, "scales": torch.tensor(scales), "changed": torch.tensor(changed),
-           "params": _weights(engine)}
+           "params": gathered_weights(engine)}
     engine.destroy()
     return out
 

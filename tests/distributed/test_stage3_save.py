@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness import run_distributed
+from models import gathered_weights
 
 import zeroshard
 from zeroshard.comm import collectives as C
@@ -58,11 +59,6 @@ def train(engine, steps: range, rank: int, world: int) -> None:
         engine.step()
 
 
-def weights(engine) -> dict[str, torch.Tensor]:
-    with engine.gathered():
-        return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
-
-
 def sharded_units(engine) -> int:
     return sum(u.state.value == "sharded" for u in engine.optimizer.units)
 
@@ -82,14 +78,14 @@ def save_worker(rank: int, world: int, root: str) -> dict:
         start = time.perf_counter()
         engine.save_checkpoint(f"{root}/{name}")
         out[f"{name}/save_s"] = time.perf_counter() - start
-        out[f"{name}/at_save"] = weights(engine)
+        out[f"{name}/at_save"] = gathered_weights(engine)
         train(engine, range(K, K + J), rank, world)
-        out[f"{name}/reference"] = weights(engine)
+        out[f"{name}/reference"] = gathered_weights(engine)
         fresh, *_ = zeroshard.initialize(model=make_gpt(1), config=config(3, **zero))
         fresh.load_checkpoint(f"{root}/{name}")
         assert fresh.global_steps == K
         train(fresh, range(K, K + J), rank, world)
-        out[f"{name}/resumed"] = weights(fresh)
+        out[f"{name}/resumed"] = gathered_weights(fresh)
     return out
 
 
@@ -97,7 +93,7 @@ def resume_one_worker(rank: int, world: int, root: str) -> dict[str, torch.Tenso
     engine, *_ = zeroshard.initialize(model=make_gpt(2), config=config(2))
     engine.load_checkpoint(f"{root}/small_live")
     train(engine, range(K, K + J), rank, world)
-    return weights(engine)
+    return gathered_weights(engine)
 
 
 def test_stage3_save_resume_and_convert(tmp_path: Path) -> None:
@@ -134,7 +130,7 @@ def four_worker(rank: int, world: int, root: str) -> dict:
     fresh, *_ = zeroshard.initialize(model=make_gpt(1, width=64), config=cfg)
     fresh.load_checkpoint(f"{root}/ckpt")
     assert fresh.save_16bit_model(f"{root}/export")
-    out = {"saved": weights(engine), "loaded": weights(fresh)}
+    out = {"saved": gathered_weights(engine), "loaded": gathered_weights(fresh)}
     # Rank 0 cannot write (the directory is a file): every rank raises, none is left in a gather.
     if rank == 0:
         Path(f"{root}/not-a-dir").write_text("")
@@ -201,7 +197,7 @@ def subset_worker(rank: int, world: int) -> dict:
     dist.barrier()
     # Nothing was left half-done: a gather on every rank works, with full values.
     state = engine.module.state_dict()
-    out["after"] = all(torch.equal(state[n], t) for n, t in weights(engine).items())
+    out["after"] = all(torch.equal(state[n], t) for n, t in gathered_weights(engine).items())
     return out
 
 

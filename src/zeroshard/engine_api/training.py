@@ -143,8 +143,8 @@ class TrainingAPI:
 
     @property
     def cur_scale(self) -> float:
-        """The loss scale in use now (1.0 unless fp16); DeepSpeed's optimizer attribute name."""
-        return float(self.optimizer.scaler.scale)
+        """The loss scale in use now (1.0 unless fp16): ``engine.optimizer.cur_scale``, DeepSpeed's name."""
+        return self.optimizer.cur_scale
 
     # -- ranks ---------------------------------------------------------------------------------------
     @property
