@@ -95,15 +95,17 @@ def _proc_io() -> tuple[int, int]:
     return int(d["read_bytes"]), int(d["write_bytes"])
 
 
-def _engine_io(engine: Any) -> tuple[int, int] | None:
-    """zeroshard: bytes its NVMe I/O engines have moved (optimizer store + parameter swap file)."""
+def _engine_io(engine: Any) -> tuple[int, int, float] | None:
+    """zeroshard: bytes its NVMe I/O engines have read and written (optimizer store + parameter
+    swap file), and the seconds they had a transfer running (summed over the two engines)."""
     opt = getattr(engine, "optimizer", None)
     swap = getattr(getattr(opt, "shard", None), "swap", None)
     found: list[Any] = [getattr(getattr(opt, "store", None), "io", None), getattr(swap, "io", None)]
     engines = [e for e in found if hasattr(e, "bytes_read")]
     if not engines:
         return None
-    return sum(e.bytes_read for e in engines), sum(e.bytes_written for e in engines)
+    return (sum(e.bytes_read for e in engines), sum(e.bytes_written for e in engines),
+            sum(getattr(e, "busy_seconds", 0.0) for e in engines))  # 0: an older zeroshard (A/B runs)
 
 
 def _peak_rss() -> int:
@@ -150,7 +152,7 @@ def worker(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         return {"status": "not available", "reason": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
     loop = EngineLoop(engine)
     times, cpu, losses, phases = [], [], [], []
-    io0: tuple[int, int] | None = None
+    io0: tuple[int, int, float] | None = None
     proc0 = (0, 0)
     for i, micro in enumerate(data):
         if i == spec["warmup"]:
@@ -166,7 +168,7 @@ def worker(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     n = spec["steps"]
     io1, proc1 = _engine_io(engine), _proc_io()
     counters = torch.tensor([
-        *(((io1[0] - io0[0]) / n, (io1[1] - io0[1]) / n) if io1 and io0 else (-1.0, -1.0)),
+        *(((io1[0] - io0[0]) / n, (io1[1] - io0[1]) / n, (io1[2] - io0[2]) / n) if io1 and io0 else (-1.0,) * 3),
         (proc1[0] - proc0[0]) / n, (proc1[1] - proc0[1]) / n, _peak_rss()], dtype=torch.float64)
     everyone = [torch.zeros_like(counters) for _ in range(world)]
     dist.all_gather(everyone, counters)
@@ -181,7 +183,8 @@ def worker(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         "step_s_all": times, "cpu_s": statistics.median(cpu[spec["warmup"]:]), "losses": losses,
         "phases_s": {k: statistics.median(p[k] for p in phases[spec["warmup"]:]) for k in phases[-1]},
         "engine_io": [r[:2] for r in per_rank] if per_rank[0][0] >= 0 else None,
-        "proc_io": [r[2:4] for r in per_rank], "peak_rss": [r[4] for r in per_rank], "disk_bytes": disk,
+        "io_busy_s": max(r[2] for r in per_rank) if per_rank[0][0] >= 0 else None,
+        "proc_io": [r[3:5] for r in per_rank], "peak_rss": [r[5] for r in per_rank], "disk_bytes": disk,
         "numel": int(full.numel()), "params": full if rank == 0 else None,
     }
 
@@ -308,12 +311,12 @@ def markdown(runs: dict[tuple[str, Variant], dict[str, Any]], args: argparse.Nam
         "bound = bytes read ÷ read bandwidth + bytes written ÷ write bandwidth",
         "", "| system | stage + offload | step (s) | min (s) | CPU s/step | fwd / bwd / opt (s) | peak RSS MiB/rank "
         "| swap GiB/step read / write (both ranks) | block-device GiB/step read / write | I/O bound (s) "
-        "| step ÷ bound | on disk GiB | final loss |",
-        "|---|---|---:|---:|---:|---|---:|---|---|---:|---:|---:|---:|",
+        "| step ÷ bound | I/O busy (s) | step ÷ busy | on disk GiB | final loss |",
+        "|---|---|---:|---:|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for (system, v), r in runs.items():
         if r["status"] != "ok":
-            lines.append(f"| {system} | {v.name} | *{r['status']}* | | | | | | | | | | |")
+            lines.append(f"| {system} | {v.name} | *{r['status']}* | | | | | | | | | | | | |")
             continue
         ph = r["phases_s"]
         nvme = "nvme" in (v.optimizer, v.params)
@@ -328,14 +331,20 @@ def markdown(runs: dict[tuple[str, Variant], dict[str, Any]], args: argparse.Nam
             swap = "–"
         bound = f"{r['io_bound_s']:.3f}" if nvme else "–"
         vs = f"{r['step_s'] / r['io_bound_s']:.2f}" if nvme and r["io_bound_s"] > 0 else "–"
+        busy = r.get("io_busy_s") if nvme else None
+        busy_s, vs_busy = (f"{busy:.3f}", f"{r['step_s'] / busy:.2f}") if busy else ("–", "–")
         lines.append(
             f"| {system} | {v.name} | {r['step_s']:.3f} | {r['step_s_min']:.3f} | {r['cpu_s']:.2f} | "
             f"{ph['forward']:.2f} / {ph['backward']:.2f} / {ph['optimizer']:.2f} | "
             f"{max(r['peak_rss']) / MiB:,.0f} | {swap} | {_gib(pr[0])} / {_gib(pr[1])} | {bound} | {vs} | "
+            f"{busy_s} | {vs_busy} | "
             f"{r['disk_bytes'] / GiB:.2f} | {r['losses'][-1]:.4f} |")
     lines += ["", "For zeroshard the swap bytes are its I/O engines' counters and the bound uses them; for DeepSpeed "
               "the bound uses the block-device bytes its rank processes moved (`/proc/self/io`), with the "
-              "estimate from its state sizes beside them.", ""]
+              "estimate from its state sizes beside them. I/O busy: per step, the seconds zeroshard's I/O "
+              "engines had a transfer running (slowest rank), that is the same bytes at the bandwidth the "
+              "disk delivered during the run rather than in the measurements before and after it; a step "
+              "÷ busy near 1 is a step as short as that disk allowed.", ""]
     for (system, v), r in runs.items():
         if r["status"] != "ok":
             lines.append(f"- {system} {v.name}: **{r['status']}**: {r.get('reason', '')}")
@@ -393,6 +402,7 @@ def _merge(reps: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     merged = dict(ok[0])
     merged.update(step_s=statistics.median(steps), step_s_min=min(steps),
                   cpu_s=statistics.median(r["cpu_s"] for r in ok), repeats=len(ok),
+                  io_busy_s=statistics.median(r["io_busy_s"] for r in ok) if ok[0]["io_busy_s"] else None,
                   peak_rss=[max(x) for x in zip(*(r["peak_rss"] for r in ok))],
                   phases_s={k: statistics.median(r["phases_s"][k] for r in ok) for k in ok[0]["phases_s"]})
     return merged

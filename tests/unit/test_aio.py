@@ -173,6 +173,57 @@ def test_request_after_a_failed_one_still_runs_and_the_error_stays_with_its_hand
     assert torch.equal(out, src)
 
 
+def test_queued_reads_run_before_queued_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One thread, a long write-behind queued first, then a read the training thread waits for: the
+    read's chunks run as soon as the chunk in progress ends, not after the write's 15 others."""
+    order: list[str] = []
+    started, go = threading.Event(), threading.Event()
+    real_pwrite, real_preadv = os.pwrite, os.preadv
+
+    def pwrite(fd: int, data: Any, offset: int) -> int:
+        order.append("w")
+        started.set()
+        go.wait(10)  # the first write chunk runs until the read has been queued
+        return real_pwrite(fd, data, offset)
+
+    def preadv(fd: int, buffers: Any, offset: int) -> int:
+        order.append("r")
+        return real_preadv(fd, buffers, offset)
+
+    with SwapFile(tmp_path / "swap", 32 * 4096, direct=False) as f, AsyncIO(4096, 16, 1) as io:
+        src = torch.arange(16 * 1024, dtype=torch.float32)
+        io.write(f, 16 * 4096, src).wait()
+        monkeypatch.setattr(os, "pwrite", pwrite)
+        monkeypatch.setattr(os, "preadv", preadv)
+        w = io.write(f, 0, torch.ones(16 * 1024))
+        assert started.wait(10)
+        out = torch.empty(16 * 1024)
+        r = io.read(f, 16 * 4096, out)
+        go.set()
+        r.wait()
+        w.wait()
+    assert order == ["w"] + ["r"] * 16 + ["w"] * 15, order
+    assert torch.equal(out, src)
+
+
+def test_busy_seconds_count_transfer_time_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Wall time with a transfer running, counted once however many threads transfer together."""
+    real = os.pwrite
+
+    def slow_pwrite(fd: int, data: Any, offset: int) -> int:
+        time.sleep(0.01)
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", slow_pwrite)
+    with SwapFile(tmp_path / "swap", 16 * 4096, direct=False) as f, AsyncIO(4096, 16, 4) as io:
+        assert io.busy_seconds == 0.0
+        time.sleep(0.05)  # idle: not counted
+        start = time.perf_counter()
+        io.write(f, 0, torch.zeros(16 * 1024)).wait()  # 16 chunks of 10 ms on 4 threads: about 40 ms
+        wall = time.perf_counter() - start
+    assert 0.035 <= io.busy_seconds <= wall, (io.busy_seconds, wall)
+
+
 # --------------------------------------------------------------------------- errors surface at wait()
 
 
