@@ -22,6 +22,7 @@ memory a gathered unit's row of it is handed back to the system while the unit h
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +48,23 @@ from zeroshard.stages.lent_rows import RowLender
 from zeroshard.stages.param_unit import ParamUnit, UnitState
 from zeroshard.stages.units import is_leaf, unit_modules
 from zeroshard.stages.zero_optimizer import StageSpec, ZeroOptimizer
+
+logger = logging.getLogger("zeroshard")
+
+
+def _warn_frozen_replicated(module: torch.nn.Module, partitioned: dict[torch.nn.Parameter, ParamUnit]) -> None:
+    """Say how much of the model stage 3 leaves whole on every rank: parameters outside the
+    optimizer (frozen: LoRA, adapters) are not partitioned yet. DeepSpeed partitions them; a
+    user counting on it for a large frozen base model must learn it before running out of memory."""
+    frozen = [p for p in dict.fromkeys(module.parameters()) if p not in partitioned]
+    if not frozen:
+        return
+    nbytes = sum(p.numel() * p.element_size() for p in frozen)
+    logger.warning(
+        "zeroshard: ZeRO stage 3 partitions the parameters it trains only: %d frozen parameter(s) (requires_grad="
+        "False, or not in model_parameters), %.1f MiB, stay whole on every rank. They train correctly (unchanged); "
+        "a large frozen base model (LoRA) needs that much memory per rank on top of the ZeRO-3 state",
+        len(frozen), nbytes / 2**20)
 
 
 class Stage3Optimizer(ZeroOptimizer):
@@ -99,6 +117,7 @@ class Stage3Optimizer(ZeroOptimizer):
                                             spec.prefetch_bucket_size)
         self.coordinator.gather_persistent()
         self._unit_of = {p: u for u in self.units for p in u.params}
+        _warn_frozen_replicated(module, self._unit_of)
         self._grads_missing: dict[ParamUnit, int] = {}
         self.sync.ordered = False
         self.sync.on_param_done = self._param_done
