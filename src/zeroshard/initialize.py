@@ -114,6 +114,11 @@ def initialize(
     _sync_module_states(model, group)
 
     param_groups = _param_groups(model, optimizer, model_parameters)
+    if cfg.zero_stage == 3:
+        # ZeRO-3 partitions the parameters it trains; frozen ones built under zero.Init are made
+        # whole here (it warns with their size), or their forward would see empty placeholders.
+        trained = {id(p) for g in param_groups for p in g["params"]}
+        materialize_init_params(model, group, device, only=lambda p: id(p) not in trained)
     policy = PrecisionPolicy(
         param_dtype=cfg.compute_dtype,
         grad_accum_dtype=cfg.grad_accum_dtype,

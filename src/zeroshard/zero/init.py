@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -164,12 +165,17 @@ def _gather_by_broadcasts(chunk: torch.Tensor, layout: ShardLayout, group: dist.
     return out
 
 
-def materialize_init_params(model: torch.nn.Module, group: dist.ProcessGroup | None) -> None:
-    """Gather parameters built under ``zero.Init`` back into full tensors (for stages 0–2)."""
+def materialize_init_params(model: torch.nn.Module, group: dist.ProcessGroup | None,
+                            device: torch.device | None = None,
+                            only: Callable[[torch.nn.Parameter], bool] | None = None) -> None:
+    """Gather parameters built under ``zero.Init`` back into full tensors (a collective): all of
+    them for stages 0–2, those ``only`` accepts for stage 3 (the frozen ones, which it does not
+    partition), on ``device`` when given (a chunk may be in host memory: ``remote_device``)."""
     for p in model.parameters():
-        if getattr(p, SHARD_ATTR, None) is None:
+        if getattr(p, SHARD_ATTR, None) is None or (only is not None and not only(p)):
             continue
-        p.data = _gather_chunk(p, group)
+        full = _gather_chunk(p, group)
+        p.data = full if device is None else full.to(device)
         delattr(p, SHARD_ATTR)
         delattr(p, SHAPE_ATTR)
         for attr in _DS_ATTRS:  # whole again: code that tests hasattr(p, "ds_id") must see a plain parameter
