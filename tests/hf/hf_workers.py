@@ -65,11 +65,14 @@ def fresh_accelerate_state() -> None:
     PartialState(backend="gloo")
 
 
-def _partitioned(model: torch.nn.Module, world: int) -> bool:
-    """Every parameter is a ZeRO-3 placeholder carrying DeepSpeed's attributes, holding only this rank's chunk."""
+def _partitioned(model: torch.nn.Module, world: int, frozen_only: bool = False) -> bool:
+    """Every parameter (every frozen one) is a ZeRO-3 placeholder carrying DeepSpeed's attributes,
+    holding only this rank's chunk."""
     from zeroshard.partition import INIT_CHUNK_ATTR, full_shape
 
     for p in model.parameters():
+        if frozen_only and p.requires_grad:
+            continue
         chunk = getattr(p, INIT_CHUNK_ATTR, None)
         if p.numel() != 0 or chunk is None or not hasattr(p, "ds_id") or p.ds_shape != full_shape(p):
             return False
@@ -236,3 +239,59 @@ def accelerate_loop(rank: int, world: int, root: str) -> dict[int, list[float]]:
             optimizer.zero_grad()
             losses[stage].append(float(loss))
     return losses
+
+
+def lora(model: torch.nn.Module) -> torch.nn.Module:
+    """PEFT's LoRA on the attention's query and value projections, the same adapters in every process."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(7)  # the adapters' random initialisation, whatever consumed the generator before
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                                            init_lora_weights="gaussian"))
+
+
+def peft_reference(root: str, world: int) -> dict[str, torch.Tensor]:
+    """Plain PyTorch on one process: LoRA on the unsharded model, AdamW over the adapters, the same global batches."""
+    from transformers import AutoModelForCausalLM
+
+    model = lora(AutoModelForCausalLM.from_pretrained(f"{root}/init"))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=1e-2, weight_decay=0.0)
+    for step in range(STEPS):
+        total = sum(model(input_ids=b, labels=b).loss for r in range(world) for m in range(GAS)
+                    for b in [_batch(step, m, r, world)])
+        (total / (world * GAS)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def peft_worker(rank: int, world: int, root: str) -> dict[str, Any]:
+    """LoRA fine-tuning as PEFT users run it under ZeRO-3: ``from_pretrained`` under a live
+    ``HfDeepSpeedConfig`` (the base weights arrive partitioned by ``zero.Init``), ``get_peft_model``,
+    then ``initialize`` with the trainable parameters; the same at stage 2 without zero.Init."""
+    enable_layer()
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    import zeroshard
+    from zeroshard.zero import GatheredParameters
+
+    out: dict[str, Any] = {}
+    for stage in (2, 3):
+        cfg = parity_config(stage)
+        live = HfDeepSpeedConfig(cfg) if stage == 3 else None  # from_pretrained under zero.Init while alive
+        model = lora(AutoModelForCausalLM.from_pretrained(f"{root}/init"))
+        out[f"partitioned_{stage}"] = _partitioned(model, world, frozen_only=True)
+        engine, *_ = zeroshard.initialize(model=model, config=cfg,
+                                          model_parameters=[p for p in model.parameters() if p.requires_grad])
+        for step in range(STEPS):
+            for micro in range(GAS):
+                ids = _batch(step, micro, rank, world)
+                engine.backward(engine(input_ids=ids, labels=ids).loss)
+                engine.step()
+        with GatheredParameters(list(model.parameters())):
+            out[stage] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        engine.destroy()
+        del live
+    return out

@@ -52,12 +52,13 @@ from zeroshard.stages.zero_optimizer import StageSpec, ZeroOptimizer
 logger = logging.getLogger("zeroshard")
 
 
-def _warn_frozen_replicated(module: torch.nn.Module, partitioned: dict[torch.nn.Parameter, ParamUnit]) -> None:
+def _warn_frozen_replicated(module: torch.nn.Module, partitioned: dict[torch.nn.Parameter, ParamUnit],
+                            rank: int) -> None:
     """Say how much of the model stage 3 leaves whole on every rank: parameters outside the
     optimizer (frozen: LoRA, adapters) are not partitioned yet. DeepSpeed partitions them; a
     user counting on it for a large frozen base model must learn it before running out of memory."""
     frozen = [p for p in dict.fromkeys(module.parameters()) if p not in partitioned]
-    if not frozen:
+    if not frozen or rank != 0:
         return
     nbytes = sum(p.numel() * p.element_size() for p in frozen)
     logger.warning(
@@ -117,7 +118,7 @@ class Stage3Optimizer(ZeroOptimizer):
                                             spec.prefetch_bucket_size)
         self.coordinator.gather_persistent()
         self._unit_of = {p: u for u in self.units for p in u.params}
-        _warn_frozen_replicated(module, self._unit_of)
+        _warn_frozen_replicated(module, self._unit_of, self.rank)
         self._grads_missing: dict[ParamUnit, int] = {}
         self.sync.ordered = False
         self.sync.on_param_done = self._param_done
