@@ -164,8 +164,9 @@ def parity_config(stage: int) -> dict[str, Any]:
 
 
 def reference_parameters(model: torch.nn.Module, world: int) -> dict[str, torch.Tensor]:
-    """Plain PyTorch on one process, same global batches: the mean loss over ranks and micro-steps."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    """Plain PyTorch on one process, same global batches: the mean loss over ranks and micro-steps;
+    AdamW over the parameters that require gradients."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
     for step in range(STEPS):
         total = sum(model(input_ids=b, labels=b).loss for r in range(world) for m in range(GAS)
                     for b in [_batch(step, m, r, world)])
@@ -173,6 +174,15 @@ def reference_parameters(model: torch.nn.Module, world: int) -> dict[str, torch.
         opt.step()
         opt.zero_grad()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _train(engine: Any, rank: int, world: int) -> None:
+    """The parity run's steps on this rank's micro-batches."""
+    for step in range(STEPS):
+        for micro in range(GAS):
+            ids = _batch(step, micro, rank, world)
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
 
 
 def engine_worker(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -189,11 +199,7 @@ def engine_worker(rank: int, world: int, root: str) -> dict[str, Any]:
     for stage in STAGES:
         model = AutoModelForCausalLM.from_pretrained(f"{root}/init")
         engine, *_ = zeroshard.initialize(model=model, config=parity_config(stage))
-        for step in range(STEPS):
-            for micro in range(GAS):
-                ids = _batch(step, micro, rank, world)
-                engine.backward(engine(input_ids=ids, labels=ids).loss)
-                engine.step()
+        _train(engine, rank, world)
         with GatheredParameters(list(model.parameters())):
             out["parity"][stage] = {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -254,16 +260,7 @@ def peft_reference(root: str, world: int) -> dict[str, torch.Tensor]:
     """Plain PyTorch on one process: LoRA on the unsharded model, AdamW over the adapters, the same global batches."""
     from transformers import AutoModelForCausalLM
 
-    model = lora(AutoModelForCausalLM.from_pretrained(f"{root}/init"))
-    trained = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trained, lr=1e-2, weight_decay=0.0)
-    for step in range(STEPS):
-        total = sum(model(input_ids=b, labels=b).loss for r in range(world) for m in range(GAS)
-                    for b in [_batch(step, m, r, world)])
-        (total / (world * GAS)).backward()
-        opt.step()
-        opt.zero_grad()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return reference_parameters(lora(AutoModelForCausalLM.from_pretrained(f"{root}/init")), world)
 
 
 def peft_worker(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -285,11 +282,7 @@ def peft_worker(rank: int, world: int, root: str) -> dict[str, Any]:
         out[f"partitioned_{stage}"] = _partitioned(model, world, frozen_only=True)
         engine, *_ = zeroshard.initialize(model=model, config=cfg,
                                           model_parameters=[p for p in model.parameters() if p.requires_grad])
-        for step in range(STEPS):
-            for micro in range(GAS):
-                ids = _batch(step, micro, rank, world)
-                engine.backward(engine(input_ids=ids, labels=ids).loss)
-                engine.step()
+        _train(engine, rank, world)
         with GatheredParameters(list(model.parameters())):
             out[stage] = {n: p.detach().clone() for n, p in model.named_parameters()}
         engine.destroy()
