@@ -9,6 +9,7 @@ killed and the test fails naming them. ``fn`` must be a module-level function.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import tempfile
@@ -34,6 +35,19 @@ if START_METHOD not in ("forkserver", "spawn"):
     raise ValueError(f"ZEROSHARD_TEST_START_METHOD must be 'forkserver' or 'spawn', got {START_METHOD!r}")
 if START_METHOD == "forkserver":
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
+
+
+def log_lines(level: int = logging.NOTSET) -> list[str]:
+    """The messages the ``zeroshard`` logger emits from now on in this process at ``level`` and above,
+    as a list that grows (for a rank to return them): the list a handler attached here appends to."""
+    lines: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logging.getLogger("zeroshard").addHandler(_Keep(level))
+    return lines
 
 
 def _entry(rank: int, fn: Callable[..., Any], world_size: int, workdir: str, args: tuple[Any, ...],

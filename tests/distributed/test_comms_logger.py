@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import run_distributed
+from harness import log_lines, run_distributed
 from models import make_model
 
 import zeroshard
@@ -43,15 +43,6 @@ def _padded_bytes(world: int) -> int:
 
 def _plain_bytes() -> int:
     return 4 * sum(p.numel() for p in make_model().parameters())
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def _train(engine: Any, rank: int, world: int, steps: int) -> list[float]:
@@ -77,29 +68,27 @@ def _engine(stage: int, comms: dict[str, Any] | None, **extra: Any) -> Any:
 
 
 def comms_worker(rank: int, world: int) -> dict[str, Any]:
-    handler = _Records()
-    log = logging.getLogger("zeroshard")
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
+    lines = log_lines(logging.INFO)
+    logging.getLogger("zeroshard").setLevel(logging.INFO)
     out: dict[str, Any] = {}
     for stage in (0, 1, 2, 3):
         engine = _engine(stage, {})
         _train(engine, rank, world, 1)  # warm-up; set-up and the first step's gathers are not counted
         engine.comms_summary(print_log=False, reset=True)
         _train(engine, rank, world, STEPS)
-        handler.lines.clear()
+        lines.clear()
         out[f"stage{stage}"] = engine.comms_summary()["summary"]
-        out[f"stage{stage}_log"] = list(handler.lines)
+        out[f"stage{stage}_log"] = list(lines)
     # debug names the caller; prof_all off with prof_ops logs only the listed collective; verbose
     # logs each one as it happens.
     engine = _engine(2, {"debug": True})
     _train(engine, rank, world, 1)
     out["debug"] = sorted(engine.comms_summary(print_log=False)["summary"])
-    handler.lines.clear()
+    lines.clear()
     engine = _engine(2, {"prof_all": False, "prof_ops": ["allgather_fn"], "verbose": True})
     _train(engine, rank, world, 1)
     out["prof_ops"] = sorted(engine.comms_summary(print_log=False)["summary"])
-    out["verbose"] = [line for line in handler.lines if line.startswith("comm op: ")]
+    out["verbose"] = [line for line in lines if line.startswith("comm op: ")]
     engine.comms_logger.uninstall()
     # The FLOPs profiler under ZeRO-3 (parameters are shards at rest), next to the logger: rank 0 only.
     engine = _engine(3, {}, flops_profiler={"enabled": True, "profile_step": 0})
@@ -120,7 +109,6 @@ def comms_worker(rank: int, world: int) -> dict[str, Any]:
         out["off"] = "no error"
     except ConfigError as e:
         out["off"] = str(e)
-    log.removeHandler(handler)
     return out
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import run_distributed
+from harness import log_lines, run_distributed
 from models import make_data, make_model, micro_batch, train_reference
 
 LR = 1e-2
@@ -327,16 +327,7 @@ def keys_worker(rank: int, world: int) -> dict[str, Any]:
         out[f"no_sync/{stage}"] = _train(engine, rank, world, 2, no_sync_first=True)
     import logging
 
-    class _Keep(logging.Handler):
-        def __init__(self) -> None:
-            super().__init__(logging.INFO)
-            self.lines: list[str] = []
-
-        def emit(self, record: logging.LogRecord) -> None:
-            self.lines.append(record.getMessage())
-
-    keep = _Keep()
-    logging.getLogger("zeroshard").addHandler(keep)
+    lines = log_lines(logging.INFO)
     logging.getLogger("zeroshard").setLevel(logging.INFO)
     for stage, extra in ((0, {"prescale_gradients": True, "dump_state": True, "memory_breakdown": True}),
                          (1, {"gradient_predivide_factor": 4.0}),
@@ -345,7 +336,7 @@ def keys_worker(rank: int, world: int) -> dict[str, Any]:
         out[f"factors/{stage}"] = engine.optimizer.sync.scaling
         out[f"scaling/{stage}"] = _train(engine, rank, world, 2, no_sync_first=False)
         if stage == 0:
-            out["logs"] = "\n".join(keep.lines)
+            out["logs"] = "\n".join(lines)
     out["external/unregistered"] = _external(False)
     out["external/registered"] = _external(True)
     for stage in (1, 3):

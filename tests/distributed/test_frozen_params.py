@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import run_distributed
+from harness import log_lines, run_distributed
 from models import gathered_weights
 from torch import nn
 
@@ -121,14 +121,7 @@ def reference() -> dict[str, torch.Tensor]:
 
 
 def _train(rank: int, world: int, nvme: str) -> dict[str, Any]:
-    warnings: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            warnings.append(record.getMessage())
-
-    handler = Keep(level=logging.WARNING)
-    logging.getLogger("zeroshard").addHandler(handler)
+    warnings = log_lines(logging.WARNING)
     x, y = data()
     per = GA * MB * world
     out: dict[str, Any] = {}
@@ -149,7 +142,6 @@ def _train(rank: int, world: int, nvme: str) -> dict[str, Any]:
                 engine.step()
         out[name] = {"weights": gathered_weights(engine), "warned": said}
         engine.destroy()
-    logging.getLogger("zeroshard").removeHandler(handler)
     return out
 
 

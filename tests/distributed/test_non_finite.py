@@ -7,11 +7,9 @@ step 2; the other rank's gradients are finite, so only the all-reduced norm tell
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
-from harness import run_distributed
+from harness import log_lines, run_distributed
 from models import make_data, make_model, micro_batch, train_reference
 
 import zeroshard
@@ -33,10 +31,7 @@ def config(stage: int, precision: str, policy: str) -> dict:
 def worker(rank: int, world: int, policy: str) -> dict:
     x, y = make_data(STEPS, BATCH)
     out: dict = {}
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("zeroshard").addHandler(handler)
+    records = log_lines()
     for stage in (0, 1, 2, 3):
         for precision in ("fp32", "bf16"):
             model = make_model(0)

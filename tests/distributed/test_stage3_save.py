@@ -10,7 +10,6 @@ hung rank 0 in an all-gather that the other ranks never joined.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_distributed
+from harness import log_lines, run_distributed
 from models import gathered_weights
 
 import zeroshard
@@ -187,10 +186,7 @@ def subset_worker(rank: int, world: int) -> dict:
     assert sharded_units(engine) == 0
     if rank == 0:
         subset.WARN_AFTER_S = 1.0  # a warning naming rank 1 first, then the error
-        warnings: list[str] = []
-        handler = logging.Handler()
-        handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
-        logging.getLogger("zeroshard").addHandler(handler)
+        warnings = log_lines()
         with pytest.raises(DistributedError) as info:
             engine.module.state_dict()
         out["release"], out["warnings"] = str(info.value), warnings
