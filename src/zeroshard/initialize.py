@@ -109,8 +109,10 @@ def initialize(
     watchdog.start_heartbeat()
     device = default_device(local_rank())
     model.to(device)
+    # Built under zero.Init but trained unsharded: whole, on the training device (model.to above
+    # moved only placeholders; with remote_device the chunks are in host memory).
     if cfg.zero_stage < 3:
-        materialize_init_params(model, group)  # built under zero.Init but trained unsharded
+        materialize_init_params(model, group, device)
     _sync_module_states(model, group)
 
     param_groups = _param_groups(model, optimizer, model_parameters)
