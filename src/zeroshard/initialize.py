@@ -117,10 +117,10 @@ def initialize(
 
     param_groups = _param_groups(model, optimizer, model_parameters)
     if cfg.zero_stage == 3:
-        # ZeRO-3 partitions the parameters it trains; frozen ones built under zero.Init are made
-        # whole here (it warns with their size), or their forward would see empty placeholders.
+        # ZeRO-3 partitions the parameters it trains and the frozen ones (requires_grad=False);
+        # one outside the optimizer that requires gradients stays whole (it warns with the size).
         trained = {id(p) for g in param_groups for p in g["params"]}
-        materialize_init_params(model, group, device, only=lambda p: id(p) not in trained)
+        materialize_init_params(model, group, device, only=lambda p: id(p) not in trained and p.requires_grad)
     policy = PrecisionPolicy(
         param_dtype=cfg.compute_dtype,
         grad_accum_dtype=cfg.grad_accum_dtype,

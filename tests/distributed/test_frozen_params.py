@@ -1,11 +1,12 @@
 """Fine-tuning with frozen parameters (LoRA, adapters), at every stage and with offload.
 
 The base weights of each layer are frozen (``requires_grad=False``); low-rank adapters, a norm and
-a bias train. Scripts pass either the trainable parameters (``filter(lambda p: p.requires_grad,
-...)``, as PEFT recipes do) or ``model.parameters()`` whole. Reference: one process of plain
-PyTorch over the global batch, AdamW over the trainable parameters, clipping their norm. The
-frozen parameters must come out bit-identical, the rest within fp32 reduction noise. Sizes are odd
-so that no parameter divides evenly between the ranks.
+a bias train (``tests/lora_model.py``). Scripts pass either the trainable parameters
+(``filter(lambda p: p.requires_grad, ...)``, as PEFT recipes do) or ``model.parameters()`` whole.
+Reference: one process of plain PyTorch over the global batch, AdamW over the trainable
+parameters, clipping their norm. The frozen parameters must come out bit-identical, the rest
+within fp32 reduction noise. Sizes are odd so that no parameter divides evenly between the ranks.
+ZeRO-3 partitions the frozen parameters as it does the trained ones.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from harness import log_lines, run_distributed
+from lora_model import D, build, data, trains
 from models import gathered_weights
-from torch import nn
 
 import zeroshard
 
-D, RANK, OUT, STEPS, GA, MB, LR = 67, 5, 11, 6, 2, 3, 1e-2
+STEPS, GA, MB, LR = 6, 2, 3, 1e-2
 WORLD = 2
 TOL = 1e-5
 
@@ -54,59 +55,9 @@ CASES: list[tuple[str, dict[str, Any], bool, str | None]] = [
 ]
 
 
-class LoRALinear(nn.Module):
-    """A frozen linear layer plus a trainable low-rank update ``B @ A``."""
-
-    def __init__(self, fan_in: int, fan_out: int) -> None:
-        super().__init__()
-        self.base = nn.Linear(fan_in, fan_out)
-        self.A = nn.Parameter(torch.randn(RANK, fan_in) * 0.1)
-        self.B = nn.Parameter(torch.randn(fan_out, RANK) * 0.1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + F.linear(F.linear(x, self.A), self.B)
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Linear(D, D)  # frozen, and the first module: nothing flows back past it
-        self.l1 = LoRALinear(D, 3 * D)
-        self.norm = nn.LayerNorm(3 * D)
-        self.l2 = LoRALinear(3 * D, D)
-        self.head = nn.Linear(D, OUT)  # weight frozen, bias trained: one unit, half frozen
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.emb(x))
-        g = F.gelu(self.norm(self.l1(h)))
-        return self.head(h + self.l2(g))
-
-
-def trains(name: str) -> bool:
-    return name.endswith((".A", ".B")) or name.startswith("norm.") or name == "head.bias"
-
-
-def build(zero_init: str | None = None) -> Net:
-    torch.manual_seed(0)
-    if zero_init is None:
-        m = Net()
-    else:
-        with zeroshard.zero.Init(remote_device=None if zero_init == "device" else zero_init):
-            m = Net()
-    for n, p in m.named_parameters():
-        p.requires_grad_(trains(n))
-    return m
-
-
-def data() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    n = STEPS * GA * MB * WORLD
-    return torch.randn(n, D, generator=g), torch.randint(0, OUT, (n,), generator=g)
-
-
 def reference() -> dict[str, torch.Tensor]:
     m = build()
-    x, y = data()
+    x, y = data(STEPS * GA * MB * WORLD)
     trained = [p for p in m.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trained, lr=LR, weight_decay=0.01)
     per = GA * MB * WORLD
@@ -122,7 +73,7 @@ def reference() -> dict[str, torch.Tensor]:
 
 def _train(rank: int, world: int, nvme: str) -> dict[str, Any]:
     warnings = log_lines(logging.WARNING)
-    x, y = data()
+    x, y = data(STEPS * GA * MB * WORLD)
     per = GA * MB * world
     out: dict[str, Any] = {}
     for name, zero, pass_all, zero_init in CASES:
@@ -140,7 +91,10 @@ def _train(rank: int, world: int, nvme: str) -> dict[str, Any]:
                 rows = slice(s * per + (g * world + rank) * MB, s * per + (g * world + rank + 1) * MB)
                 engine.backward(F.cross_entropy(engine(x[rows]), y[rows]))
                 engine.step()
-        out[name] = {"weights": gathered_weights(engine), "warned": said}
+        # what stage 3 holds of the frozen parameters between steps: their chunks, and module tensors
+        held = {n: p.data.numel() for n, p in engine.module.named_parameters() if not trains(n)}
+        placed = engine.optimizer.memory_placement().get("frozen_parameter_shard", {})
+        out[name] = {"weights": gathered_weights(engine), "warned": said, "held": held, "placed": placed}
         engine.destroy()
     return out
 
@@ -169,13 +123,52 @@ def test_frozen_parameters_train_as_plain_torch(case: str, frozen_results: dict[
         assert num / den <= TOL, f"rank {rank}: ‖w − w_ref‖/‖w_ref‖ = {num / den:.2e}"
 
 
-def test_stage3_says_frozen_parameters_stay_whole(frozen_results: dict[str, Any]) -> None:
-    """ZeRO-3 does not partition frozen parameters yet: initialize says so, with the bytes."""
-    frozen_bytes = sum(p.numel() * 4 for n, p in build().named_parameters() if not trains(n))
+def test_stage3_partitions_frozen_parameters(frozen_results: dict[str, Any]) -> None:
+    """ZeRO-3 keeps each rank's chunk of the frozen parameters (padded to ceil(numel / N)), not the
+    whole of them, as DeepSpeed does: between steps the module holds placeholders, and the chunks
+    are where offload_param says. Stages 0-2 hold them whole. Nobody is warned."""
+    frozen = {n: p.numel() for n, p in build().named_parameters() if not trains(n)}
+    chunks = sum(-(-numel // WORLD) for numel in frozen.values()) * 4
     for name, zero, _, _ in CASES:
-        warned = frozen_results["ranks"][0][name]["warned"]
-        if zero["stage"] == 3:
-            assert len(warned) == 1 and f"{frozen_bytes / 2**20:.1f} MiB" in warned[0], (name, warned)
-        else:
-            assert not warned, (name, warned)
+        for rank, result in enumerate(frozen_results["ranks"]):
+            r = result[name]
+            assert not r["warned"], (name, r["warned"])
+            if zero["stage"] < 3:
+                assert r["held"] == frozen and not r["placed"], (name, rank, r["held"], r["placed"])
+                continue
+            persistent = zero.get("stage3_param_persistence_threshold", 100_000)
+            assert all(held == 0 for n, held in r["held"].items() if frozen[n] > persistent), (name, r["held"])
+            where = zero.get("offload_param", {}).get("device", "none")
+            if where == "nvme":
+                assert r["placed"]["file"] >= chunks, (name, r["placed"])
+            else:
+                assert r["placed"] == {"host": chunks}, (name, r["placed"])
+
+
+def test_stage3_warns_about_parameters_it_keeps_whole() -> None:
+    """A parameter outside the optimizer that requires gradients (autograd writes a full ``.grad``
+    into it) stays whole at stage 3, and initialize says so with its size."""
+    said = run_distributed(_keep_whole_worker, WORLD)
+    nbytes = 3 * D * D * 4  # l1.base.weight
+    assert len(said[0]) == 1 and f"{nbytes / 2**20:.1f} MiB" in said[0][0], said[0]
+    assert not said[1], "rank 1 warned too"
+
+
+def _keep_whole_worker(rank: int, world: int) -> list[str]:
+    warnings = log_lines(logging.WARNING)
+    m = build()
+    m.l1.base.weight.requires_grad_(True)  # left out of model_parameters below, yet requires gradients
+    params = [p for n, p in m.named_parameters() if trains(n)]
+    cfg = {"train_micro_batch_size_per_gpu": MB, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = zeroshard.initialize(model=m, model_parameters=params, config=cfg)
+    x, y = data(STEPS * GA * MB * WORLD)
+    engine.backward(F.cross_entropy(engine(x[:MB]), y[:MB]))
+    engine.step()
+    assert m.l1.base.weight.shape == (3 * D, D) and m.l2.base.weight.numel() == 0
+    engine.destroy()
+    return [w for w in warnings if "not in model_parameters" in w]
+
+
+def test_no_swap_files_left_behind(frozen_results: dict[str, Any]) -> None:
     assert not any(frozen_results["nvme"].iterdir()), "swap files were left behind"

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from zeroshard.errors import CheckpointError
-from zeroshard.partition import ShardLayout
+from zeroshard.partition import ShardLayout, full_shape
 
 SHARDED, SCALAR, NUMBER = "sharded", "scalar", "number"
 #: Param-group keys that choose an implementation rather than the math; a resume keeps the live ones.
@@ -24,17 +24,16 @@ IMPLEMENTATION_KEYS = frozenset({"params", "param_names", "fused", "foreach", "c
 
 
 @dataclass
-class TrainedParam:
-    """A trained parameter and this rank's fp32 master of its elements ``[lo, hi)``."""
+class StoredParam:
+    """A parameter a checkpoint stores in pieces: this rank holds its elements ``[lo, hi)`` of a
+    layout over ``layout_world`` ranks (1: every rank holds it whole)."""
 
     name: str
     param: torch.nn.Parameter
-    master: torch.nn.Parameter
     shape: tuple[int, ...]
     numel: int
     lo: int
     hi: int
-    group: int
     layout_world: int
 
     def save_range(self, rank: int, world: int) -> tuple[int, int]:
@@ -49,6 +48,33 @@ class TrainedParam:
         layout = ShardLayout(self.numel, world if self.layout_world == 1 else self.layout_world)
         out = [(r, *layout.local_range(r)) for r in range(layout.world)]
         return [(r, s, e) for r, s, e in out if e > s]
+
+
+@dataclass
+class TrainedParam(StoredParam):
+    """A trained parameter and this rank's fp32 master of its elements ``[lo, hi)``."""
+
+    master: torch.nn.Parameter = None  # type: ignore[assignment]
+    group: int = 0
+
+
+@dataclass
+class FrozenParam(StoredParam):
+    """A parameter that is not trained, in its compute dtype: whole on every rank, or (ZeRO-3)
+    this rank's chunk in the frozen shard (``owner``)."""
+
+    owner: Any = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype its pieces are stored in."""
+        return self.owner.dtype if self.owner is not None else self.param.dtype  # type: ignore[no-any-return]
+
+    def values(self, s: int, e: int) -> torch.Tensor:
+        """Elements ``[s, e)`` (within what this rank holds)."""
+        if self.owner is None:
+            return self.param.detach().reshape(-1)[s:e]
+        return self.owner.read(self.param)[s - self.lo : e - self.lo]  # type: ignore[no-any-return]
 
 
 def _global_shape(p: torch.nn.Parameter, numel: int) -> tuple[int, ...]:
@@ -80,8 +106,27 @@ def trained_params(engine: Any) -> list[TrainedParam]:
         if id(p) not in by_param:
             continue
         p, master, layout, lo, hi = by_param[id(p)]
-        out.append(TrainedParam(name, p, master, _global_shape(p, layout.numel), layout.numel, lo, hi,
-                                group_of.get(id(master), 0), layout.world))
+        out.append(TrainedParam(name, p, _global_shape(p, layout.numel), layout.numel, lo, hi, layout.world,
+                                master=master, group=group_of.get(id(master), 0)))
+    return out
+
+
+def frozen_params(engine: Any, trained: list[TrainedParam]) -> list[FrozenParam]:
+    """Every parameter of ``engine.module`` that is not trained, in ``named_parameters()`` order.
+    ZeRO-3 partitions them (this rank's chunk); other stages hold them whole."""
+    shard = getattr(engine.optimizer, "frozen", None)
+    trained_ids = {id(t.param) for t in trained}
+    out = []
+    for name, p in engine.module.named_parameters():
+        if id(p) in trained_ids:
+            continue
+        if shard is not None and p in shard.ranges:
+            lo, hi = shard.ranges[p]
+            unit = p._zeroshard_unit  # type: ignore[attr-defined]
+            layout = unit.bucket.layouts[unit.position(p)]
+            out.append(FrozenParam(name, p, tuple(full_shape(p)), layout.numel, lo, hi, layout.world, owner=shard))
+        else:
+            out.append(FrozenParam(name, p, tuple(p.shape), p.numel(), 0, p.numel(), 1))
     return out
 
 
@@ -122,12 +167,12 @@ def module_state(engine: Any) -> dict[str, Any]:
         return engine.module.state_dict(keep_vars=True)  # type: ignore[no-any-return]
 
 
-def module_layout(engine: Any, trained: list[TrainedParam]) -> dict[str, Any]:
+def module_layout(engine: Any) -> dict[str, Any]:
     """Names the checkpoint records about ``engine.module`` besides the trained parameters.
 
     Returns ``module_keys`` (``state_dict()`` order), ``aliases`` (tied names -> first name),
-    ``buffers`` and ``frozen`` (name -> tensor, for persistent buffers and parameters that are
-    not trained). Gathers nothing (rank 0 alone calls it).
+    and ``buffers`` (name -> tensor, persistent buffers; the parameters that are not trained are
+    :func:`frozen_params`). Gathers nothing (rank 0 alone calls it).
     """
     module = engine.module
     first: dict[int, str] = {}
@@ -137,12 +182,10 @@ def module_layout(engine: Any, trained: list[TrainedParam]) -> dict[str, Any]:
             aliases[n] = first[id(p)]
         else:
             first[id(p)] = n
-    trained_ids = {id(t.param) for t in trained}
-    frozen = {n: p.detach() for n, p in module.named_parameters() if id(p) not in trained_ids}
     state = module_state(engine)
     names = set(first.values()) | set(aliases)
     buffers = {k: v.detach() for k, v in state.items() if k not in names and isinstance(v, torch.Tensor)}
-    return {"module_keys": list(state), "aliases": aliases, "buffers": buffers, "frozen": frozen}
+    return {"module_keys": list(state), "aliases": aliases, "buffers": buffers}
 
 
 def group_options(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:

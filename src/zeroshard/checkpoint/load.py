@@ -64,19 +64,30 @@ def _load_weights(src: CheckpointSource, engine: Any, trained: list[collect.Trai
             if tp.name in src.params:
                 store.write_master(tp.master, src.read(MASTER, tp.name, tp.lo, tp.hi))
             elif tp.name in src.frozen:  # frozen when saved, trained now
-                value = src.read_extra(tp.name)
-                _check_shape(src, tp.name, tuple(value.shape), tp.shape)
-                store.write_master(tp.master, value.reshape(-1)[tp.lo : tp.hi])
-        trained_ids = {id(tp.param) for tp in trained}
-        live_extra = {n: p for n, p in engine.module.named_parameters() if id(p) not in trained_ids}
+                _check_shape(src, tp.name, src.frozen_shape(tp.name), tp.shape)
+                store.write_master(tp.master, src.read_frozen(tp.name, tp.lo, tp.hi))
+        frozen = collect.frozen_params(engine, trained)
         state = collect.module_state(engine)  # names and buffers only: nothing to gather
         names = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}
-        live_extra.update({k: v for k, v in state.items() if k not in names and isinstance(v, torch.Tensor)})
+        buffers = {k: v for k, v in state.items() if k not in names and isinstance(v, torch.Tensor)}
         stored = set(src.buffers) | set(src.frozen) | set(src.params)
-        missing = [n for n in live_extra if n not in stored]
+        missing = [n for n in [*(fp.name for fp in frozen), *buffers] if n not in stored]
         if strict and missing:
             raise CheckpointError(f"{src.path} lacks buffers/frozen parameters {missing} (load_module_strict=True)")
-        for n, t in live_extra.items():
+        for fp in frozen:
+            if fp.name in src.params:  # trained when saved, frozen now
+                _check_shape(src, fp.name, tuple(src.params[fp.name].shape), fp.shape)
+                values = src.read(MASTER, fp.name, fp.lo, fp.hi)
+            elif fp.name in src.frozen:
+                _check_shape(src, fp.name, src.frozen_shape(fp.name), fp.shape)
+                values = src.read_frozen(fp.name, fp.lo, fp.hi)
+            else:
+                continue
+            if fp.owner is not None:  # ZeRO-3: this rank's chunk
+                fp.owner.write(fp.param, values)
+            else:
+                fp.param.data.copy_(values.view(fp.shape))
+        for n, t in buffers.items():
             if n in stored:
                 value = src.read_full(n)
                 _check_shape(src, n, tuple(value.shape), tuple(t.shape))

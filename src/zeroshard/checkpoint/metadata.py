@@ -4,9 +4,11 @@ A tag directory holds::
 
     rank-00000-of-00002.safetensors   one per rank, written in parallel: this rank's pieces of
     rank-00001-of-00002.safetensors   every trained parameter (``master/<name>``, fp32) and of its
-                                      optimizer state (``optim/<key>/<name>``), and its RNG state
-    extra.safetensors                 rank 0: buffers, frozen parameters, tensors found in
-                                      client_state / scheduler state / param-group options
+                                      optimizer state (``optim/<key>/<name>``), of every frozen
+                                      (not trained) parameter (``frozen/<name>``, in the compute
+                                      dtype), and its RNG state
+    extra.safetensors                 rank 0: buffers, tensors found in client_state / scheduler
+                                      state / param-group options
     zeroshard.json                    rank 0: this metadata
     COMPLETE                          rank 0, written last: the metadata's digest
 
@@ -17,7 +19,12 @@ writes the same split so its saves are parallel too). Loading at another world s
 reads, for each parameter, the intersection of the range it needs with the stored pieces: no
 conversion step. Optimizer state keys are ``sharded`` (same shape as the parameter, stored in
 pieces like the master) or ``scalar`` (a 0-d tensor such as Adam's ``step``, stored with every
-piece) or ``number`` (a Python number, stored like a scalar).
+piece) or ``number`` (a Python number, stored like a scalar). Frozen parameters are stored in
+pieces too (``frozen_params``), so that ZeRO-3, which partitions them, saves and loads 1/N of a
+frozen base model per rank.
+
+Version 1 (before frozen parameters were partitioned) kept them whole in ``extra.safetensors``
+(``frozen``); it is still read.
 """
 
 from __future__ import annotations
@@ -34,7 +41,9 @@ from zeroshard.checkpoint.paths import plain_name
 from zeroshard.errors import CheckpointError
 
 FORMAT = "zeroshard"
-VERSION = 1
+VERSION = 2
+#: versions this code reads
+READABLE = (1, 2)
 EXTRA_FILE = "extra.safetensors"
 
 
@@ -46,6 +55,11 @@ def rank_file(rank: int, world: int) -> str:
 def master_key(name: str) -> str:
     """Tensor name of a parameter's fp32 master piece."""
     return f"master/{name}"
+
+
+def frozen_key(name: str) -> str:
+    """Tensor name of a frozen parameter's piece."""
+    return f"frozen/{name}"
 
 
 def optim_key(key: str, name: str) -> str:
@@ -64,7 +78,8 @@ class Piece:
 
 @dataclass
 class ParamMeta:
-    """One trained parameter: global shape, param group, stored pieces, optimizer-state keys."""
+    """One stored parameter: global shape, param group, stored pieces, optimizer-state keys (a
+    frozen parameter: none, group 0)."""
 
     name: str
     shape: list[int]
@@ -91,6 +106,7 @@ class CheckpointMeta:
     module_keys: list[str]
     aliases: dict[str, str]
     buffers: list[str]
+    #: version 1: frozen parameters stored whole in ``extra.safetensors`` (none since version 2)
     frozen: list[str]
     optimizer_type: str
     param_groups: Any
@@ -102,6 +118,8 @@ class CheckpointMeta:
     format: str = FORMAT
     version: int = VERSION
     versions: dict[str, str] = field(default_factory=dict)
+    #: frozen parameters, stored in pieces (``frozen/<name>``)
+    frozen_params: list[ParamMeta] = field(default_factory=list)
 
     def to_bytes(self) -> bytes:
         """The JSON document."""
@@ -116,12 +134,13 @@ class CheckpointMeta:
             raise CheckpointError(f"cannot read checkpoint metadata {path}: {e}") from e
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             raise CheckpointError(f"{path} is not zeroshard checkpoint metadata")
-        if raw.get("version") != VERSION:
+        if raw.get("version") not in READABLE:
             raise CheckpointError(f"{path} has format version {raw.get('version')}; this zeroshard reads "
-                                  f"version {VERSION}")
+                                  f"versions {', '.join(map(str, READABLE))}")
         _validate(raw, path)
         try:
-            raw["params"] = [ParamMeta(**{**p, "pieces": [Piece(**x) for x in p["pieces"]]}) for p in raw["params"]]
+            for key in ("params", "frozen_params"):
+                raw[key] = [ParamMeta(**{**p, "pieces": [Piece(**x) for x in p["pieces"]]}) for p in raw.get(key, [])]
             return cls(**raw)
         except (KeyError, TypeError) as e:
             raise CheckpointError(f"{path} is malformed: {e}") from e
@@ -168,10 +187,18 @@ def _validate(raw: dict[str, Any], path: Path) -> None:
     expect(isinstance(raw.get("client_state"), dict), "client_state", "a JSON object")
     if isinstance(raw.get("param_groups"), list):
         expect(_list_of(raw["param_groups"], lambda g: isinstance(g, dict)), "param_groups", "a list of objects")
-    params: Any = raw.get("params")
-    expect(isinstance(params, list), "params", "a list")
+    _validate_params(raw.get("params"), "params", files, expect)
+    _validate_params(raw.get("frozen_params", []), "frozen_params", files, expect)
+    trained = {p["name"] for p in raw["params"]}
+    expect(not any(p["name"] in trained for p in raw.get("frozen_params", [])), "frozen_params",
+           "names that are not in 'params'")
+
+
+def _validate_params(params: Any, list_key: str, files: dict[str, int],
+                     expect: Callable[[bool, str, str], None]) -> None:
+    expect(isinstance(params, list), list_key, "a list")
     for i, p in enumerate(params):
-        key = f"params[{i}]"
+        key = f"{list_key}[{i}]"
         expect(isinstance(p, dict) and _is_str(p.get("name")), key, "an object with a name")
         expect(_list_of(p.get("shape"), _count), f"{key}.shape", "a list of non-negative integers")
         expect(_count(p.get("group")), f"{key}.group", "a non-negative integer")

@@ -3,7 +3,7 @@
 Sequence (see :mod:`zeroshard.checkpoint.atomic` for why each step is crash-safe):
 
 1. All ranks agree on the tag and a random nonce; rank 0 creates ``save_dir/.tmp-<tag>-<nonce>``.
-2. Every rank streams its pieces (fp32 masters, optimizer state) and RNG state into its own
+2. Every rank streams its pieces (fp32 masters, optimizer state, frozen parameters) and RNG state into its own
    ``rank-*.safetensors`` and fsyncs it; rank 0 also writes ``extra.safetensors``.
 3. The file sizes are gathered (a barrier); rank 0 writes ``zeroshard.json`` and then the
    ``COMPLETE`` marker, renames the directory to ``save_dir/<tag>``, and replaces ``latest``.
@@ -34,7 +34,16 @@ from zeroshard.checkpoint import collect
 from zeroshard.checkpoint.agree import together as _together
 from zeroshard.checkpoint.atomic import TMP_PREFIX, fault_point, publish_dir, write_file_atomic, write_file_durable
 from zeroshard.checkpoint.jsonable import TensorTable, encode
-from zeroshard.checkpoint.metadata import EXTRA_FILE, CheckpointMeta, ParamMeta, Piece, master_key, optim_key, rank_file
+from zeroshard.checkpoint.metadata import (
+    EXTRA_FILE,
+    CheckpointMeta,
+    ParamMeta,
+    Piece,
+    frozen_key,
+    master_key,
+    optim_key,
+    rank_file,
+)
 from zeroshard.checkpoint.paths import LATEST_FILE, MARKER_FILE, META_FILE, marker_text
 from zeroshard.checkpoint.rng import capture_rng
 from zeroshard.checkpoint.safetensors_io import TensorSpec, write_safetensors
@@ -54,10 +63,11 @@ def _master_piece(store: Any, tp: collect.TrainedParam, s: int, e: int) -> torch
     return store.master_values(tp.master)[s - tp.lo : e - tp.lo]  # type: ignore[no-any-return]
 
 
-def _write_rank_file(path: Path, trained: list[collect.TrainedParam], kinds: dict[str, dict[str, str]],
-                     store: Any, rank: int, world: int) -> int:
+def _write_rank_file(path: Path, trained: list[collect.TrainedParam], frozen: list[collect.FrozenParam],
+                     kinds: dict[str, dict[str, str]], store: Any, rank: int, world: int) -> int:
     """Stream this rank's pieces. Each parameter's master and state come from the state store
-    when they are written (read from swap files with NVMe offload), one parameter at a time."""
+    when they are written (read from swap files with NVMe offload), one parameter at a time; so do
+    the frozen parameters' pieces (from the ZeRO-3 frozen shard, or the module)."""
     specs: list[TensorSpec] = []
     fetch: dict[str, Callable[[], torch.Tensor]] = {}
     last: dict[str, Any] = {"master": None, "state": {}}  # the parameter whose entries are being written
@@ -83,6 +93,11 @@ def _write_rank_file(path: Path, trained: list[collect.TrainedParam], kinds: dic
             fetch[optim_key(key, tp.name)] = functools.partial(
                 lambda tp, key, kind, s, e: collect.state_piece(state_of(tp)[key], kind, tp.lo, s, e),
                 tp, key, kind, s, e)
+    for fp in frozen:
+        s, e = fp.save_range(rank, world)
+        if e > s:
+            specs.append(TensorSpec(frozen_key(fp.name), fp.dtype, (e - s,)))
+            fetch[frozen_key(fp.name)] = functools.partial(fp.values, s, e)
     rng_tensors, rng_record = capture_rng()
     for k, t in rng_tensors.items():
         specs.append(TensorSpec(k, t.dtype, tuple(t.shape)))
@@ -95,20 +110,21 @@ def _write_rank_file(path: Path, trained: list[collect.TrainedParam], kinds: dic
 
 def _write_extra(path: Path, layout: dict[str, Any], table: TensorTable) -> int:
     sources = {f"buffer/{k}": v for k, v in layout["buffers"].items()}
-    sources.update({f"frozen/{k}": v for k, v in layout["frozen"].items()})
     sources.update(table.tensors)
     specs = [TensorSpec(k, t.dtype, tuple(t.shape)) for k, t in sources.items()]
     return write_safetensors(path, specs, lambda spec: sources[spec.name], {"format": "zeroshard"}, checksums=True)
 
 
 def _describe(engine: Any, tag: str, world: int, trained: list[collect.TrainedParam],
-              kinds: dict[str, dict[str, str]], layout: dict[str, Any], client_state: Any,
-              table: TensorTable) -> CheckpointMeta:
+              frozen: list[collect.FrozenParam], kinds: dict[str, dict[str, str]], layout: dict[str, Any],
+              client_state: Any, table: TensorTable) -> CheckpointMeta:
     """Rank 0: everything but the file sizes, JSON-encoded (user input is validated here)."""
     opt = engine.optimizer.optimizer
     params = [ParamMeta(tp.name, list(tp.shape), tp.group,
                         [Piece(rank_file(r, world), s, e) for r, s, e in tp.pieces(world)], kinds[tp.name])
               for tp in trained]
+    frozen_params = [ParamMeta(fp.name, list(fp.shape), 0, [Piece(rank_file(r, world), s, e)
+                                                          for r, s, e in fp.pieces(world)]) for fp in frozen]
     sched = engine.lr_scheduler
     loader: Any = getattr(engine, "training_dataloader", None)
     scaler = engine.optimizer.scaler
@@ -116,7 +132,7 @@ def _describe(engine: Any, tag: str, world: int, trained: list[collect.TrainedPa
         tag=tag, world_size=world, zero_stage=int(engine.zero_optimization_stage()),
         compute_dtype=str(engine.policy.param_dtype).replace("torch.", ""), params=params, files={},
         module_keys=layout["module_keys"], aliases=layout["aliases"], buffers=list(layout["buffers"]),
-        frozen=list(layout["frozen"]), optimizer_type=type(opt).__name__,
+        frozen=[], frozen_params=frozen_params, optimizer_type=type(opt).__name__,
         param_groups=encode(collect.group_options(opt), table, "optimizer param_groups"),
         lr_scheduler=None if sched is None else encode(sched.state_dict(), table, "lr_scheduler.state_dict()"),
         loss_scaler={"dynamic": bool(getattr(scaler, "dynamic", False)), **scaler.state_dict()},
@@ -146,6 +162,7 @@ def save_checkpoint(engine: Any, save_dir: str | Path, tag: str | None = None, c
     if rank == 0:
         logger.info("saving checkpoint %s from %d ranks", root / tag, world)
     trained = collect.trained_params(engine)
+    frozen = [] if exclude_frozen_parameters else collect.frozen_params(engine, trained)
     table = TensorTable("meta/")
 
     def prepare() -> tuple[dict[str, dict[str, str]], dict[str, Any], CheckpointMeta | None]:
@@ -154,10 +171,8 @@ def save_checkpoint(engine: Any, save_dir: str | Path, tag: str | None = None, c
         if rank != 0:
             return kinds, {}, None
         with C.on_ranks([0], "preparing the checkpoint, which runs on rank 0 only", group):
-            layout = collect.module_layout(engine, trained)  # gathers nothing
-            if exclude_frozen_parameters:
-                layout["frozen"] = {}
-            meta = _describe(engine, tag, world, trained, kinds, layout,
+            layout = collect.module_layout(engine)  # gathers nothing
+            meta = _describe(engine, tag, world, trained, frozen, kinds, layout,
                              {} if client_state is None else client_state, table)
             root.mkdir(parents=True, exist_ok=True)
             tmp.mkdir()
@@ -169,7 +184,8 @@ def save_checkpoint(engine: Any, save_dir: str | Path, tag: str | None = None, c
     fault_point("begin", rank)
     try:
         def write() -> int:
-            size = _write_rank_file(tmp / rank_file(rank, world), trained, kinds, engine.optimizer.store, rank, world)
+            size = _write_rank_file(tmp / rank_file(rank, world), trained, frozen, kinds, engine.optimizer.store,
+                                    rank, world)
             if rank == 0:
                 assert meta is not None
                 with C.on_ranks([0], "writing the checkpoint's extra file, which runs on rank 0 only", group):

@@ -21,7 +21,7 @@ import torch
 
 from zeroshard.checkpoint.collect import NUMBER
 from zeroshard.checkpoint.jsonable import decode
-from zeroshard.checkpoint.metadata import EXTRA_FILE, CheckpointMeta, master_key, optim_key, rank_file
+from zeroshard.checkpoint.metadata import EXTRA_FILE, CheckpointMeta, frozen_key, master_key, optim_key, rank_file
 from zeroshard.checkpoint.paths import META_FILE, detect_format
 from zeroshard.checkpoint.safetensors_io import SafetensorsReader
 from zeroshard.errors import CheckpointError
@@ -108,6 +108,14 @@ class CheckpointSource:
         """A buffer or frozen parameter, whole, in its saved dtype."""
         raise NotImplementedError
 
+    def frozen_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of frozen parameter ``name``."""
+        return tuple(self.read_extra(name).shape)
+
+    def read_frozen(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of frozen parameter ``name``'s flattened value, in its saved dtype."""
+        return self.read_extra(name).reshape(-1)[lo:hi]
+
     def rng(self, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
         """Rank ``rank``'s saved RNG state, if the checkpoint has one."""
         return None
@@ -149,7 +157,11 @@ class ZeroshardSource(CheckpointSource):
         self._pieces = {p.name: [(x.start, x.end, x.file) for x in p.pieces] for p in meta.params}
         self.params = {p.name: SourceParam(p.name, tuple(p.shape), p.group, dict(p.state)) for p in meta.params}
         self.module_keys, self.aliases = meta.module_keys, meta.aliases
-        self.buffers, self.frozen = meta.buffers, meta.frozen
+        self.buffers = meta.buffers
+        # version 2 stores frozen parameters in pieces; version 1 whole, in the extra file
+        self._frozen = {p.name: (tuple(p.shape), [(x.start, x.end, x.file) for x in p.pieces])
+                        for p in meta.frozen_params}
+        self.frozen = [*meta.frozen, *self._frozen]
         extra = self._reader(EXTRA_FILE)
         tables = {k: extra.read(k).view(extra.info(k).shape) for k in extra.tensors if k.startswith("meta/")}
         try:
@@ -170,8 +182,10 @@ class ZeroshardSource(CheckpointSource):
 
     def read(self, key: str, name: str, lo: int, hi: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Elements ``[lo, hi)`` of the master or a sharded state, from the pieces that hold them."""
-        tkey = self._tensor_key(key, name)
-        pieces = self._pieces[name]
+        return self._read_pieces(self._tensor_key(key, name), self._pieces[name], lo, hi, out)
+
+    def _read_pieces(self, tkey: str, pieces: list[tuple[int, int, str]], lo: int, hi: int,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
         for s, e, f in pieces:  # before allocating anything by the metadata's word
             if s < hi and lo < e and self._reader(f).info(tkey).numel != e - s:
                 raise CheckpointError(f"{self.path / f}: {tkey} has {self._reader(f).info(tkey).numel} elements, "
@@ -197,8 +211,23 @@ class ZeroshardSource(CheckpointSource):
             return value.item()
         return value
 
+    def frozen_shape(self, name: str) -> tuple[int, ...]:
+        """From the metadata (version 2), or the extra file's header (version 1)."""
+        if name in self._frozen:
+            return self._frozen[name][0]
+        return tuple(self._reader(EXTRA_FILE).info(f"frozen/{name}").shape)
+
+    def read_frozen(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """From the pieces that hold the range (version 2)."""
+        if name in self._frozen:
+            return self._read_pieces(frozen_key(name), self._frozen[name][1], lo, hi)
+        return super().read_frozen(name, lo, hi)
+
     def read_extra(self, name: str) -> torch.Tensor:
-        """A buffer or frozen parameter from ``extra.safetensors``."""
+        """A buffer or frozen parameter, whole: assembled from its pieces, or from ``extra.safetensors``."""
+        if name in self._frozen:
+            shape = self._frozen[name][0]
+            return self.read_frozen(name, 0, math.prod(shape)).view(shape)
         reader = self._reader(EXTRA_FILE)
         for prefix in ("buffer/", "frozen/"):
             if prefix + name in reader:

@@ -29,7 +29,7 @@ from zeroshard.offload.buffers import BufferPool
 from zeroshard.offload.policy import OffloadPolicy, Residency, host_device, should_pin
 from zeroshard.partition import Bucket
 
-__all__ = ["ParamShard", "ParamSwapFile", "PendingRead", "make_param_shard"]
+__all__ = ["ParamShard", "ParamSwapFile", "PendingRead", "make_param_shard", "place_shard"]
 
 
 class PendingRead:
@@ -188,27 +188,39 @@ def make_param_shard(master: Any, buckets: list[Bucket], policy: OffloadPolicy, 
     """Place the parameter shard of ``buckets`` (the master layout) by ``policy.params``."""
     res = policy.params
     where = device if res is Residency.DEVICE else host_device()
-    pin = should_pin(policy.param_pin_memory, device)
     if res is not Residency.FILE and not master.swapped and master.flat.device == where and (
             dtype == torch.float32 or where.type == device.type):
         # The masters are where the parameters are gathered: gather from them, casting each unit's
         # chunk on the way (as FSDP2 does), rather than keep a compute-dtype copy of the shard.
         return ParamShard(buckets, master.flat, None, aliased=True)
     initial = master.flat if not master.swapped else None
+
+    def row(b: Bucket) -> torch.Tensor:
+        return initial[b.start : b.start + b.numel] if initial is not None else _initial_row(master, b)
+
+    return place_shard(buckets, master.numel, policy, dtype, device, rank, row)
+
+
+def place_shard(buckets: list[Bucket], numel: int, policy: OffloadPolicy, dtype: torch.dtype,
+                device: torch.device, rank: int, row: Callable[[Bucket], torch.Tensor]) -> ParamShard:
+    """A shard of its own (not the masters) for ``buckets`` (``numel`` elements back to back),
+    where ``policy.params`` says, filled with ``row(b)`` (bucket ``b``'s row, any dtype and device)."""
+    res = policy.params
+    where = device if res is Residency.DEVICE else host_device()
+    pin = should_pin(policy.param_pin_memory, device)
     if res is Residency.FILE:
         swap = ParamSwapFile(buckets, dtype, policy, rank, pin)
-        shard = ParamShard(buckets, None, swap, aliased=False)
-        for b in buckets:
-            lo = b.start
-            values = initial[lo : lo + b.numel] if initial is not None else _initial_row(master, b)
-            swap.write(b.index, values)
-        return shard
-    flat = torch.empty(master.numel, dtype=dtype, device=where, pin_memory=pin and where.type == "cpu")
-    if initial is not None:
-        flat.copy_(initial)
-    else:
-        for b in buckets:
-            flat[b.start : b.start + b.numel].copy_(_initial_row(master, b))
+        try:
+            for b in buckets:
+                swap.write(b.index, row(b))
+            swap.flush()
+        except BaseException:
+            swap.close()
+            raise
+        return ParamShard(buckets, None, swap, aliased=False)
+    flat = torch.empty(numel, dtype=dtype, device=where, pin_memory=pin and where.type == "cpu")
+    for b in buckets:
+        flat[b.start : b.start + b.numel].copy_(row(b))
     return ParamShard(buckets, flat, None, aliased=False)
 
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from zeroshard import host_memory
 from zeroshard.comm import collectives as C
-from zeroshard.partition import Bucket, full_shape, gather_from_rows
+from zeroshard.partition import INIT_CHUNK_ATTR, SHAPE_ATTR, Bucket, full_shape, gather_from_rows
 from zeroshard.stages.lent_rows import RowLender
 
 
@@ -95,6 +95,21 @@ class ParamUnit:
         #: fp32 in host memory: takes the shard's row back while the unit is gathered for training
         #: (:mod:`~zeroshard.stages.lent_rows`); ``None`` where the gathered values are no copy of it
         self.lender: RowLender | None = None
+
+    def adopt(self) -> None:
+        """Take over the unit's parameters once its shard holds their values: placeholders from now
+        on. The module's full tensors are the caller's: dropped, not freed under it."""
+        for p, shape in zip(self.params, self.shapes):
+            p._zeroshard_unit = self  # type: ignore[attr-defined]
+            setattr(p, SHAPE_ATTR, shape)
+            if hasattr(p, INIT_CHUNK_ATTR):
+                delattr(p, INIT_CHUNK_ATTR)  # a zero.Init chunk, copied into (or adopted as) the shard
+        self.state = UnitState.GATHERED
+        self.release(free_storage=False)
+
+    def position(self, p: torch.nn.Parameter) -> int:
+        """Index of ``p`` in :attr:`params` (by identity: ``list.index`` compares tensors' values)."""
+        return next(i for i, q in enumerate(self.params) if q is p)
 
     @property
     def params(self) -> list[torch.nn.Parameter]:

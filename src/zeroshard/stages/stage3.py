@@ -12,6 +12,10 @@ released as soon as all its gradients are written; gradients are reduce-scattere
 consecutive units up to ``reduce_bucket_size`` (one collective for many small modules), each run
 as soon as it is complete.
 
+Parameters that are not trained (``requires_grad=False``, outside the optimizer: a LoRA base
+model) are partitioned too, in units of their own with a compute-dtype shard and no master
+(:mod:`~zeroshard.stages.frozen`), gathered and released by the same coordinator.
+
 Memory residency per rank (Ψ parameters, N ranks, 16-bit compute, Adam, gradients accumulated in
 the compute dtype): parameter shard 2Ψ/N + gradient shard 2Ψ/N + master 4Ψ/N + Adam 8Ψ/N = 16Ψ/N,
 plus the gathered units (bounded by ``stage3_max_live_parameters`` and the units in use) and the
@@ -34,8 +38,6 @@ from zeroshard.offload import OffloadPolicy
 from zeroshard.offload.param_store import make_param_shard
 from zeroshard.offload.policy import Residency
 from zeroshard.partition import (
-    INIT_CHUNK_ATTR,
-    SHAPE_ATTR,
     Bucket,
     buckets_from_groups,
     buffer_numel,
@@ -43,29 +45,27 @@ from zeroshard.partition import (
 )
 from zeroshard.precision import LossScaler, PrecisionPolicy
 from zeroshard.stages.coordinator import ParamCoordinator
+from zeroshard.stages.frozen import FrozenShard, frozen_to_partition
 from zeroshard.stages.grad_sync import MicroStepReduceScatterSync
 from zeroshard.stages.lent_rows import RowLender
-from zeroshard.stages.param_unit import ParamUnit, UnitState
-from zeroshard.stages.units import is_leaf, unit_modules
+from zeroshard.stages.param_unit import ParamUnit
+from zeroshard.stages.units import unit_groups
 from zeroshard.stages.zero_optimizer import StageSpec, ZeroOptimizer
 
 logger = logging.getLogger("zeroshard")
 
 
-def _warn_frozen_replicated(module: torch.nn.Module, partitioned: dict[torch.nn.Parameter, ParamUnit],
-                            rank: int) -> None:
+def _warn_frozen_whole(module: torch.nn.Module, partitioned: set[torch.nn.Parameter], rank: int) -> None:
     """Say how much of the model stage 3 leaves whole on every rank: parameters outside the
-    optimizer (frozen: LoRA, adapters) are not partitioned yet. DeepSpeed partitions them; a
-    user counting on it for a large frozen base model must learn it before running out of memory."""
-    frozen = [p for p in dict.fromkeys(module.parameters()) if p not in partitioned]
-    if not frozen or rank != 0:
+    optimizer that still require gradients (autograd would write a full ``.grad`` into them)."""
+    whole = [p for p in dict.fromkeys(module.parameters()) if p not in partitioned]
+    if not whole or rank != 0:
         return
-    nbytes = sum(p.numel() * p.element_size() for p in frozen)
+    nbytes = sum(p.numel() * p.element_size() for p in whole)
     logger.warning(
-        "zeroshard: ZeRO stage 3 partitions the parameters it trains only: %d frozen parameter(s) (requires_grad="
-        "False, or not in model_parameters), %.1f MiB, stay whole on every rank. They train correctly (unchanged); "
-        "a large frozen base model (LoRA) needs that much memory per rank on top of the ZeRO-3 state",
-        len(frozen), nbytes / 2**20)
+        "zeroshard: %d parameter(s) (%.1f MiB) require gradients but are not in model_parameters: ZeRO stage 3 "
+        "keeps them whole on every rank and never updates them. Set requires_grad=False on parameters that "
+        "are not trained (a frozen base model) so that they are partitioned", len(whole), nbytes / 2**20)
 
 
 class Stage3Optimizer(ZeroOptimizer):
@@ -94,31 +94,40 @@ class Stage3Optimizer(ZeroOptimizer):
             for b in self.buckets
         ]
         for u in self.units:
-            for p, shape in zip(u.params, u.shapes):
-                p._zeroshard_unit = u  # type: ignore[attr-defined]
-                setattr(p, SHAPE_ATTR, shape)
-                if hasattr(p, INIT_CHUNK_ATTR):
-                    delattr(p, INIT_CHUNK_ATTR)  # adopted into the shard buffers
-            u.state = UnitState.GATHERED  # the module may still hold full values: release them now
-            u.release(free_storage=False)  # the caller's tensors: dropped, not freed under them
+            u.adopt()
+        #: the frozen parameters' chunks and units (``None`` when every parameter trains)
+        self.frozen: FrozenShard | None = None
+        frozen = frozen_to_partition(module, set(self.master.views))
+        if frozen:
+            try:
+                self.frozen = FrozenShard(module, frozen, group, self.rank, self.world, dtype, device, self.offload,
+                                          spec.param_persistence_threshold)
+            except BaseException:
+                self.close()
+                raise
+            for p in frozen:
+                p._zeroshard_owner = self  # type: ignore[attr-defined]  # found by GatheredParameters
+        frozen_units = self.frozen.units if self.frozen is not None else []
         released = [u for u in self.units if not u.persistent]
         # droppable: the masters are fp32 in host memory where units are gathered (_lends_rows)
         if (self.shard.aliased and self.master.droppable
-                and spec.max_live_parameters >= sum(u.numel for u in released)):
+                and spec.max_live_parameters >= sum(u.numel for u in released + frozen_units if not u.persistent)):
             # Only when the live budget holds the model (DeepSpeed's default for models up to 1e9
             # parameters): each unit is then gathered once per pass, held to the end of its
             # backward, and its row written back once. Under a smaller budget units are gathered
             # again in backward, each time costing a write-back and page faults, to save 1/N of
             # the few units the budget holds.
             self.lender = RowLender(self.master.drop_pages, self.rank, names)
-            for u in released:  # not the persistent ones: gathered while the optimizer reads the row
+            # Trained units only (a frozen one has no master row), and not the persistent ones:
+            # they are gathered while the optimizer reads the row.
+            for u in released:
                 u.lender = self.lender
             self.store.before_access = self.lender.reclaim_all
-        self.coordinator = ParamCoordinator(module, self.units, spec.max_live_parameters,
+        self.coordinator = ParamCoordinator(module, self.units + frozen_units, spec.max_live_parameters,
                                             spec.prefetch_bucket_size)
         self.coordinator.gather_persistent()
         self._unit_of = {p: u for u in self.units for p in u.params}
-        _warn_frozen_replicated(module, self._unit_of, self.rank)
+        _warn_frozen_whole(module, set(self._unit_of) | set(self.frozen.ranges if self.frozen else ()), self.rank)
         self._grads_missing: dict[ParamUnit, int] = {}
         self.sync.ordered = False
         self.sync.on_param_done = self._param_done
@@ -132,15 +141,7 @@ class Stage3Optimizer(ZeroOptimizer):
                 and self.device.type == "cpu" and self.offload.params is not Residency.FILE)
 
     def _make_buckets(self, params: list[torch.nn.Parameter]) -> list[Bucket]:
-        trained = set(params)
-        groups: list[list[torch.nn.Parameter]] = []
-        seen: set[torch.nn.Parameter] = set()
-        for m in unit_modules(self.module):
-            mine = [p for p in m.parameters(recurse=is_leaf(m)) if p in trained and p not in seen]
-            seen.update(mine)
-            if mine:
-                groups.append(mine)
-        return buckets_from_groups(groups, self.world)
+        return buckets_from_groups(unit_groups(self.module, set(params)), self.world)
 
     def _sync_buckets(self) -> list[Bucket]:
         # One reduce-scatter per run of units up to a reduce buffer (half of reduce_bucket_size),
@@ -164,7 +165,7 @@ class Stage3Optimizer(ZeroOptimizer):
         backward leaves the disk to the optimizer state read ahead for the step."""
         if self.offload.params is not Residency.FILE:
             return False
-        return any(not u.persistent and u not in self.coordinator.live for u in self.units)
+        return any(not u.persistent and u not in self.coordinator.live for u in self.coordinator.units)
 
     def _param_done(self, p: torch.nn.Parameter) -> None:
         u = self._unit_of[p]
@@ -188,17 +189,23 @@ class Stage3Optimizer(ZeroOptimizer):
         self.shard.flush()  # parameter swap-file writes in flight end here, their errors with them
         with torch.no_grad():
             # Anything still gathered (eval forwards, persistent units) is stale now.
-            for u in self.units:
+            # Frozen units change only when a checkpoint is loaded into them.
+            for u in self.units + (self.frozen.stale_units() if self.frozen is not None else []):
                 self.coordinator.live.pop(u, None)
                 # Persistent units are visible between steps: user code may hold their tensors.
                 u.release(free_storage=not u.persistent)
             self.coordinator.gather_persistent()
 
     def write_back(self, p: torch.nn.Parameter) -> None:
-        """Write the gathered value of ``p`` into this rank's master and parameter shards."""
+        """Write the gathered value of ``p`` into this rank's master and parameter shards (a frozen
+        parameter: into its chunk)."""
+        if self.frozen is not None and p in self.frozen.ranges:
+            s, e = self.frozen.ranges[p]
+            self.frozen.write(p, p.detach().reshape(-1)[s:e])
+            return
         super().write_back(p)
         unit: ParamUnit = p._zeroshard_unit  # type: ignore[attr-defined]
-        i = unit.params.index(p)
+        i = unit.position(p)
         s, e = self.master.ranges[p]
         off = unit.bucket.offsets[i]
         with torch.no_grad():
@@ -215,13 +222,17 @@ class Stage3Optimizer(ZeroOptimizer):
         held = self.shard.bytes_held()
         if held:
             out["parameter_shard"] = sum(held.values())
+        if self.frozen is not None:
+            out["frozen_parameter_shard"] = sum(self.frozen.bytes_held().values())
         out["gathered_peak"] = self.coordinator.peak_gathered_numel * self.policy.param_dtype.itemsize
         return out
 
     def close(self) -> None:
         """Also remove the parameter swap file, if any."""
         super().close()
-        self.shard.close()
+        for part in (getattr(self, "shard", None), getattr(self, "frozen", None)):  # None: not made yet
+            if part is not None:
+                part.close()
 
     def memory_placement(self) -> dict[str, dict[str, int]]:
         """Adds the parameter shard's places."""
@@ -229,4 +240,6 @@ class Stage3Optimizer(ZeroOptimizer):
         held = self.shard.bytes_held()
         if held:
             out["parameter_shard"] = held
+        if self.frozen is not None:
+            out["frozen_parameter_shard"] = self.frozen.bytes_held()
         return out

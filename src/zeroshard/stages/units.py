@@ -42,3 +42,16 @@ def unit_modules(root: torch.nn.Module) -> Iterator[torch.nn.Module]:
         yield m
         if not is_leaf(m):
             stack.extend(reversed(list(m.children())))
+
+
+def unit_groups(root: torch.nn.Module, wanted: set[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
+    """The parameters of ``wanted`` grouped into units, in module order: each unit module's direct
+    parameters (a leaf's whole subtree), a shared parameter with the first module that has it."""
+    groups: list[list[torch.nn.Parameter]] = []
+    seen: set[torch.nn.Parameter] = set()
+    for m in unit_modules(root):
+        mine = [p for p in m.parameters(recurse=is_leaf(m)) if p in wanted and p not in seen]
+        seen.update(mine)
+        if mine:
+            groups.append(mine)
+    return groups

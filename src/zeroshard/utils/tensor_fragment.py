@@ -126,7 +126,7 @@ def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> 
             param.data.copy_(value.detach().view_as(param))
         unit = getattr(param, "_zeroshard_unit", None)
         if unit is not None:  # ZeRO-3: the compute-dtype shard gathers read
-            off = unit.bucket.offsets[next(i for i, q in enumerate(unit.params) if q is param)]
+            off = unit.bucket.offsets[unit.position(param)]
             unit.write_shard(off, frag.mine(value))
 
 

@@ -169,8 +169,8 @@ def materialize_init_params(model: torch.nn.Module, group: dist.ProcessGroup | N
                             device: torch.device | None = None,
                             only: Callable[[torch.nn.Parameter], bool] | None = None) -> None:
     """Gather parameters built under ``zero.Init`` back into full tensors (a collective): all of
-    them for stages 0–2, those ``only`` accepts for stage 3 (the frozen ones, which it does not
-    partition), on ``device`` when given (a chunk may be in host memory: ``remote_device``)."""
+    them for stages 0–2, those ``only`` accepts for stage 3 (the ones it keeps whole: outside the
+    optimizer yet requiring gradients), on ``device`` when given (a chunk may be in host memory: ``remote_device``)."""
     for p in model.parameters():
         if getattr(p, SHARD_ATTR, None) is None or (only is not None and not only(p)):
             continue

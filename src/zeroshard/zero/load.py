@@ -87,6 +87,10 @@ def _load_one(p: torch.nn.Parameter, name: str, read: Reader, rank: int, world: 
     if chunk is not None:  # built under zero.Init, not yet adopted by an engine
         s, e = ShardLayout(numel, world).local_range(rank)
         chunk.copy_(read(name, s, e))
+    elif owner is not None and getattr(owner, "frozen", None) is not None and p in owner.frozen.ranges:
+        s, e = owner.frozen.ranges[p]  # a frozen parameter partitioned by ZeRO-3: its chunk is the truth
+        owner.frozen.write(p, read(name, s, e))
+        owners[id(owner)] = owner
     elif owner is not None:  # owned by an engine: its master chunk is the truth
         s, e = owner.master.ranges[p]
         owner.store.write_master(owner.master.views[p], read(name, s, e))

@@ -1,0 +1,65 @@
+"""A small LoRA-style model for the frozen-parameter tests: frozen base layers, trainable
+low-rank adapters, a norm and a bias. Sizes are odd so that no parameter divides evenly between
+ranks."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zeroshard
+
+D, RANK, OUT = 67, 5, 11
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear layer plus a trainable low-rank update ``B @ A``."""
+
+    def __init__(self, fan_in: int, fan_out: int) -> None:
+        super().__init__()
+        self.base = nn.Linear(fan_in, fan_out)
+        self.A = nn.Parameter(torch.randn(RANK, fan_in) * 0.1)
+        self.B = nn.Parameter(torch.randn(fan_out, RANK) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + F.linear(F.linear(x, self.A), self.B)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(D, D)  # frozen, and the first module: nothing flows back past it
+        self.l1 = LoRALinear(D, 3 * D)
+        self.norm = nn.LayerNorm(3 * D)
+        self.l2 = LoRALinear(3 * D, D)
+        self.head = nn.Linear(D, OUT)  # weight frozen, bias trained: one unit, half frozen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.emb(x))
+        g = F.gelu(self.norm(self.l1(h)))
+        return self.head(h + self.l2(g))
+
+
+def trains(name: str) -> bool:
+    return name.endswith((".A", ".B")) or name.startswith("norm.") or name == "head.bias"
+
+
+def build(zero_init: str | None = None) -> Net:
+    torch.manual_seed(0)
+    if zero_init is None:
+        m = Net()
+    else:
+        with zeroshard.zero.Init(remote_device=None if zero_init == "device" else zero_init):
+            m = Net()
+    for n, p in m.named_parameters():
+        p.requires_grad_(trains(n))
+    return m
+
+
+def data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` samples of inputs and labels."""
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, D, generator=g), torch.randint(0, OUT, (n,), generator=g)
+
+
