@@ -142,18 +142,21 @@ def features_worker(rank: int, world: int) -> dict:
     out["sd_equal"] = all(torch.equal(sd[k], out["no_prefetch"]["params"][k]) for k in out["no_prefetch"]["params"])
     out["sd_vars_full"] = all(v.numel() > 0 for v in sd_vars.values())
     out["at_rest_numel"] = sum(p.numel() for p in engine.module.parameters())
-    # GatheredParameters with modifier_rank=0: rank 0's change reaches every rank and survives a step.
-    w = engine.module.block.weight
-    with zeroshard.zero.GatheredParameters(w, modifier_rank=0), torch.no_grad():
+    # GatheredParameters with modifier_rank=0: rank 0's change reaches every rank and survives a step
+    # (the bias too: not the first parameter of its unit, which once crashed the write-back).
+    w, b = engine.module.block.weight, engine.module.block.bias
+    with zeroshard.zero.GatheredParameters([w, b], modifier_rank=0), torch.no_grad():
         if rank == 0:
             w.fill_(0.5)
+            b.fill_(0.25)
     for g in engine.optimizer.param_groups:
         g["lr"] = 0.0
     engine.backward(loss_fn(engine.module, engine(torch.tensor([[1, 2]]), False), torch.tensor([[2, 3]])))
     for _ in range(GA):
         engine.step()
-    with zeroshard.zero.GatheredParameters(w):
+    with zeroshard.zero.GatheredParameters([w, b]):
         out["modified"] = w.detach().clone()
+        out["modified_bias"] = b.detach().clone()
     return out
 
 
@@ -175,6 +178,7 @@ def test_stage3_real_model_features() -> None:
         assert r["sd_equal"] and r["sd_vars_full"]
         assert r["at_rest_numel"] == 0
         assert torch.equal(r["modified"], torch.full((DIM, DIM), 0.5))
+        assert torch.equal(r["modified_bias"], torch.full((DIM,), 0.25))
 
 
 def init_worker(rank: int, world: int) -> dict:
