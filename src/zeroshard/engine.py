@@ -109,7 +109,8 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
         """Bytes this rank holds (DeepSpeed's ``memory_breakdown()`` is the config flag):
         ``parameters`` (module tensors materialized now), ``gradients``,
         ``master_weights``, ``optimizer_states``, under ZeRO-3 ``parameter_shard`` (a compute-dtype shard
-        at rest) and ``gathered_peak`` (most gathered parameter bytes seen at once),
+        at rest), ``frozen_parameter_shard`` (the chunks of parameters that are not trained) and
+        ``gathered_peak`` (most gathered parameter bytes seen at once),
         ``comm_workspace`` (reused communication buffers, bounded by the bucket sizes), and
         ``total`` (the model state: peaks and workspace excluded)."""
         params = sum(p.numel() * p.element_size() for p in self.module.parameters())

@@ -19,9 +19,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from zeroshard import host_memory
 from zeroshard.offload import OffloadPolicy
 from zeroshard.offload.param_store import ParamShard, place_shard
+from zeroshard.offload.policy import Residency, should_pin, state_device
 from zeroshard.partition import INIT_CHUNK_ATTR, Bucket, buckets_from_groups
+from zeroshard.stages.coordinator import TRIM_BYTES
 from zeroshard.stages.param_unit import ParamUnit, UnitState
 from zeroshard.stages.units import unit_groups
 
@@ -53,25 +56,59 @@ class FrozenShard:
         self.dtype = dtype
         #: this rank's elements ``[lo, hi)`` of each frozen parameter's flattened value
         self.ranges = {p: lay.local_range(rank) for b in self.buckets for p, lay in zip(b.params, b.layouts)}
-        self.shard: ParamShard = place_shard(self.buckets, sum(b.numel for b in self.buckets), offload, dtype,
-                                             device, rank, self._initial_row)
         names = {p: n for n, p in module.named_parameters()}
-        self.units = [ParamUnit(b, self.shard.unit_view(b), group, name=names.get(b.params[0], "?"), device=device,
-                                swap=self.shard.swap, dtype=dtype,
-                                persistent=sum(lay.numel for lay in b.layouts) <= persistence_threshold)
-                      for b in self.buckets]
-        for u in self.units:
+        # The freed zero.Init chunks go back to the system as the rows are made: the rows are a little
+        # larger (padding, several parameters), so malloc would not reuse the chunks' memory for them.
+        self._trim = host_memory.TrimEvery(TRIM_BYTES, site="setup")
+        #: the swap file the chunks live in (``offload_param: nvme``), else ``None``
+        self.file_shard: ParamShard | None = None
+        if offload.params is Residency.FILE:
+            self.file_shard = place_shard(self.buckets, sum(b.numel for b in self.buckets), offload, dtype, device,
+                                          rank, self._initial_row)
+        where = state_device(offload.params, device)
+        pin = should_pin(offload.param_pin_memory, device) and where.type == "cpu"
+        self.units: list[ParamUnit] = []
+        for b in self.buckets:
+            # In memory, each unit's chunk is a tensor of its own, made when its zero.Init chunks
+            # are freed: one flat buffer would hold the frozen model's chunks twice until the last.
+            row = None
+            if self.file_shard is None:
+                row = self._adopted_chunk(b, where, pin)
+                if row is None:
+                    row = self._initial_row(b)
+                    row = row.pin_memory() if pin else row.to(where)
+            u = ParamUnit(b, row, group, name=names.get(b.params[0], "?"), device=device, dtype=dtype,
+                          swap=self.file_shard.swap if self.file_shard is not None else None,
+                          persistent=sum(lay.numel for lay in b.layouts) <= persistence_threshold)
             u.adopt()
+            self.units.append(u)
         #: units whose chunks were overwritten (a checkpoint loaded) while they were gathered
         self._stale: set[ParamUnit] = set()
 
+    def _adopted_chunk(self, b: Bucket, where: torch.device, pin: bool) -> torch.Tensor | None:
+        """The zero.Init chunk itself, when it is the unit's whole row as the shard keeps it (one
+        parameter, no padding on this rank, the dtype and place the shard wants): no copy. Frozen
+        layers of large models are mostly of this kind (linear layers without bias, embeddings);
+        a copied chunk is freed only with the rest of its 64 MiB ``zero.Init`` slab."""
+        chunk = getattr(b.params[0], INIT_CHUNK_ATTR, None) if len(b.params) == 1 else None
+        if (chunk is None or pin or chunk.numel() != b.numel or chunk.dtype != self.dtype or chunk.device != where
+                or not chunk.is_contiguous()):
+            return None
+        delattr(b.params[0], INIT_CHUNK_ATTR)
+        return chunk.reshape(-1)
+
     def _initial_row(self, b: Bucket) -> torch.Tensor:
+        """Bucket ``b``'s row in host memory (padding zero); the zero.Init chunks copied are freed."""
         row = torch.zeros(b.numel, dtype=self.dtype)
         for p, off in zip(b.params, b.offsets):
             lo, hi = self.ranges[p]
             chunk = getattr(p, INIT_CHUNK_ATTR, None)
             values = chunk.reshape(-1)[: hi - lo] if chunk is not None else p.detach().reshape(-1)[lo:hi]
             row[off : off + hi - lo].copy_(values)
+            if chunk is not None:
+                delattr(p, INIT_CHUNK_ATTR)
+                if chunk.device.type == "cpu":
+                    self._trim.freed(chunk.numel() * chunk.element_size())
         return row
 
     def _where(self, p: torch.nn.Parameter) -> tuple[ParamUnit, int, int]:
@@ -103,9 +140,16 @@ class FrozenShard:
 
     def bytes_held(self) -> dict[str, int]:
         """Bytes of the chunks by place (``device``, ``host``, ``pinned_host``, ``file``)."""
-        return self.shard.bytes_held()
+        if self.file_shard is not None:
+            return self.file_shard.bytes_held()
+        out: dict[str, int] = {}
+        for u in self.units:
+            assert u.shard is not None
+            place = "device" if u.shard.device.type != "cpu" else ("pinned_host" if u.shard.is_pinned() else "host")
+            out[place] = out.get(place, 0) + u.shard.numel() * u.shard.element_size()
+        return out
 
     def close(self) -> None:
         """Remove the swap file, if any."""
-        self.shard.close()
-
+        if self.file_shard is not None:
+            self.file_shard.close()
