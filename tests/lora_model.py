@@ -63,3 +63,25 @@ def data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, D, generator=g), torch.randint(0, OUT, (n,), generator=g)
 
 
+
+
+class Adapted(nn.Module):
+    """A frozen bias-free linear layer (as in Llama) plus a trainable low-rank update, for the
+    memory test and benchmark of a large frozen base."""
+
+    def __init__(self, width: int, rank: int) -> None:
+        super().__init__()
+        self.base = nn.Linear(width, width, bias=False)
+        self.lora_a = nn.Linear(width, rank, bias=False)
+        self.lora_b = nn.Linear(rank, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.base(x) + self.lora_b(self.lora_a(x)))
+
+
+def adapted_stack(layers: int, width: int, rank: int = 8) -> nn.Module:
+    """``layers`` :class:`Adapted` layers, the bases frozen and the adapters trainable."""
+    model = nn.Sequential(*(Adapted(width, rank) for _ in range(layers)))
+    for n, p in model.named_parameters():
+        p.requires_grad_("lora_" in n)
+    return model

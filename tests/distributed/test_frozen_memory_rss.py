@@ -20,41 +20,21 @@ import pytest
 import rss
 import torch
 from harness import run_distributed
-from torch import nn
+from lora_model import adapted_stack
 
 import zeroshard
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 
 MiB = 2**20
-WIDTH, LAYERS, RANK = 1024, 64, 8
-
-
-class Adapted(nn.Module):
-    """A frozen linear layer plus a trainable low-rank update."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.base = nn.Linear(WIDTH, WIDTH, bias=False)
-        self.lora_a = nn.Linear(WIDTH, RANK, bias=False)
-        self.lora_b = nn.Linear(RANK, WIDTH, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.base(x) + self.lora_b(self.lora_a(x)))
-
-
-def _model(layers: int) -> nn.Module:
-    model = nn.Sequential(*(Adapted() for _ in range(layers)))
-    for n, p in model.named_parameters():
-        p.requires_grad_("lora_" in n)
-    return model
+WIDTH, LAYERS = 1024, 64
 
 
 def _run(layers: int, rank: int) -> int:
     """Build under zero.Init, initialize at stage 3 and train 2 steps; returns the frozen bytes (fp32)."""
     torch.manual_seed(0)
     with zeroshard.zero.Init():
-        model = _model(layers)
+        model = adapted_stack(layers, WIDTH)
     frozen = sum(4 * p._zeroshard_shape.numel() for p in model.parameters() if not p.requires_grad)
     layer = WIDTH * WIDTH
     config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},

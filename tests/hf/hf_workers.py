@@ -283,8 +283,11 @@ def peft_worker(rank: int, world: int, root: str) -> dict[str, Any]:
         engine, *_ = zeroshard.initialize(model=model, config=cfg,
                                           model_parameters=[p for p in model.parameters() if p.requires_grad])
         _train(engine, rank, world)
+        # what the rank keeps of the frozen base: its chunks at stage 3, nothing of the kind below
+        out[f"frozen_shard_{stage}"] = engine.memory_usage().get("frozen_parameter_shard", 0)
         with GatheredParameters(list(model.parameters())):
             out[stage] = {n: p.detach().clone() for n, p in model.named_parameters()}
+            out["frozen_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
         engine.destroy()
         del live
     return out

@@ -59,3 +59,11 @@ def test_stage3_base_arrived_partitioned(runs: dict[str, Any]) -> None:
     """The stage-3 run is the one users hit: its base weights came from zero.Init, not whole."""
     assert all(r["partitioned_3"] for r in runs["ranks"])
     assert not any(r["partitioned_2"] for r in runs["ranks"])
+
+
+def test_stage3_keeps_a_chunk_of_the_frozen_base(runs: dict[str, Any]) -> None:
+    """Stage 3 partitions the frozen base (about half of it per rank on 2 ranks, a little more for
+    the padding of odd sizes); stage 2 keeps it whole, outside any shard."""
+    for r in runs["ranks"]:
+        assert 0.5 * r["frozen_bytes"] <= r["frozen_shard_3"] <= 0.51 * r["frozen_bytes"], r
+        assert r["frozen_shard_2"] == 0
