@@ -80,6 +80,7 @@ class FrozenShard:
             u = ParamUnit(b, row, group, name=names.get(b.params[0], "?"), device=device, dtype=dtype,
                           swap=self.file_shard.swap if self.file_shard is not None else None,
                           persistent=sum(lay.numel for lay in b.layouts) <= persistence_threshold)
+            u.frozen = True
             u.adopt()
             self.units.append(u)
         #: units whose chunks were overwritten (a checkpoint loaded) while they were gathered

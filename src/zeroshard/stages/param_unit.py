@@ -70,6 +70,8 @@ class ParamUnit:
         self.group = group
         self.world = C.world_size(group)
         self.persistent = persistent
+        #: the parameters are frozen (never updated): gathered values stay valid across steps
+        self.frozen = False
         self.name = name
         self.gather_what = f"all-gather of ZeRO-3 unit {name!r}"  # for errors; built once, not per gather
         self.state = UnitState.SHARDED
