@@ -10,7 +10,7 @@ ranks, fresh processes per system and setting: at the defaults, and with about o
 ``reshard_after_forward=True``). Figures per rank (the larger rank): growth of RSS over a baseline
 taken just before the model is built (after a one-layer warm-up run of the same system), peak
 (``VmHWM``, through build, initialize and training) and after training (``VmRSS``), as MiB and as
-a fraction of the fp32 frozen model; median step time after the first. Needs Linux ``/proc``; the
+a fraction of the fp32 frozen model; median step time over the second half of the steps. Needs Linux ``/proc``; the
 DeepSpeed rows need ``pip install 'zeroshard[deepspeed]'``. Prints a Markdown table and writes it
 to ``benchmarks/results/lora_memory.md``.
 """
@@ -88,24 +88,33 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=64)
     p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--systems", default="zeroshard,deepspeed")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "lora_memory.md"))
     args = p.parse_args()
     os.environ.pop("ZEROSHARD_MALLOC_TRIM", None)
     frozen = 4 * args.layers * args.width * args.width
-    rows = []
-    for one_layer in (False, True):
-        for system in args.systems.split(","):
-            ranks = run_distributed(worker, 2, system, args.layers, args.width, one_layer, args.steps, timeout=1200)
-            peak, current = max(r["peak"] for r in ranks), max(r["current"] for r in ranks)
-            step = statistics.median(max(r["times"][i] for r in ranks) for i in range(1, args.steps))
-            rows.append((system, "one layer live" if one_layer else "defaults", peak, current, step))
-            print(rows[-1], flush=True)
+    runs: dict[tuple[str, bool], list[tuple[int, int, float]]] = {}
+    for _ in range(args.repeat):  # systems alternate, so that they see the same machine load
+        for one_layer in (False, True):
+            for system in args.systems.split(","):
+                ranks = run_distributed(worker, 2, system, args.layers, args.width, one_layer, args.steps,
+                                        timeout=1200)
+                # the second half of the steps: the first ones settle (pages faulted in, buffers made)
+                step = statistics.median(max(r["times"][i] for r in ranks) for i in range(args.steps // 2, args.steps))
+                runs.setdefault((system, one_layer), []).append(
+                    (max(r["peak"] for r in ranks), max(r["current"] for r in ranks), step))
+                print(system, "one layer live" if one_layer else "defaults", runs[system, one_layer][-1], flush=True)
+    rows = [(system, "one layer live" if one_layer else "defaults", *(statistics.median(x[i] for x in v)
+                                                                      for i in range(3)))
+            for (system, one_layer), v in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0] != "zeroshard"))]
     lines = [f"LoRA (rank 8) on a frozen base of {args.layers} bias-free {args.width} x {args.width} linear layers "
              f"({frozen / MiB:.0f} MiB in fp32), built under `zero.Init`, ZeRO-3, fp32, 2 gloo ranks, micro batch 4, "
-             f"{args.steps} steps (`python benchmarks/lora_memory.py`). RSS growth per rank over the baseline "
-             "(the larger rank), MiB and fraction of the frozen model.", "",
+             f"{args.steps} steps, {args.repeat} runs per row in fresh processes, the systems alternating "
+             "(`python benchmarks/lora_memory.py`). RSS growth per rank over the baseline (the larger rank), MiB and "
+             "fraction of the frozen model; step: median of the second half of the steps (slowest rank); each figure "
+             "the median over the runs.", "",
              "| system | setting | peak | after training | step (s) |", "|---|---|---:|---:|---:|"]
     for system, setting, peak, current, step in rows:
         lines.append(f"| {system} | {setting} | {peak / MiB:.0f} ({peak / frozen:.2f}) | "
