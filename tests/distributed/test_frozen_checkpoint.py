@@ -34,16 +34,20 @@ K, J, MB, SAMPLES, LR = 3, 3, 3, 12, 1e-2
 TOL = 1e-5
 
 
-def _config(stage: int, world: int, persistence: int = 0) -> dict[str, Any]:
+def _config(stage: int, world: int, persistence: int = 0, nvme: str | None = None) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": stage, "stage3_param_persistence_threshold": persistence}
+    if nvme is not None:  # everything in swap files: the frozen chunks in one of their own
+        zero.update(sub_group_size=100, offload_optimizer={"device": "nvme", "nvme_path": nvme},
+                    offload_param={"device": "nvme", "nvme_path": nvme})
     return {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": SAMPLES // (MB * world),
             "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": persistence}}
+            "zero_optimization": zero}
 
 
-def _engine(stage: int, world: int, persistence: int = 0) -> Any:
+def _engine(stage: int, world: int, persistence: int = 0, nvme: str | None = None) -> Any:
     m = build("device" if stage == 3 else None)
     engine, *_ = zeroshard.initialize(model=m, model_parameters=[p for p in m.parameters() if p.requires_grad],
-                                      config=_config(stage, world, persistence))
+                                      config=_config(stage, world, persistence, nvme))
     return engine
 
 
@@ -64,11 +68,17 @@ def save_worker(rank: int, world: int, root: str) -> dict[str, Any]:
     _train(engine, range(K, K + J), rank, world)
     out = {"at_save": at_save, "final": gathered_weights(engine)}
     engine.destroy()
+    # The same K steps with the frozen chunks (and everything else) in swap files, saved from there.
+    engine = _engine(3, world, nvme=str(Path(root) / "swap"))
+    _train(engine, range(K), rank, world)
+    engine.save_checkpoint(str(Path(root) / "from_nvme"), tag="lora")
+    engine.destroy()
     return out
 
 
-def resume_worker(rank: int, world: int, root: str, stage: int, persistence: int) -> dict[str, torch.Tensor]:
-    engine = _engine(stage, world, persistence)
+def resume_worker(rank: int, world: int, root: str, stage: int, persistence: int,
+                  nvme: str | None) -> dict[str, torch.Tensor]:
+    engine = _engine(stage, world, persistence, nvme)
     frozen = [p for n, p in engine.module.named_parameters() if not trains(n)]
     with zeroshard.zero.GatheredParameters(frozen, modifier_rank=0):  # live values the load must replace
         for p in frozen:
@@ -83,6 +93,7 @@ def resume_worker(rank: int, world: int, root: str, stage: int, persistence: int
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     root = tmp_path_factory.mktemp("lora")
+    (root / "swap").mkdir()
     return root, run_distributed(save_worker, 2, str(root))[0]
 
 
@@ -116,13 +127,31 @@ def test_each_rank_file_holds_its_chunk_of_the_frozen_parameters(saved: tuple[Pa
         assert not [k for k in f.keys() if k.startswith("frozen/")]
 
 
-@pytest.mark.parametrize(("stage", "world", "persistence"), [(3, 2, 0), (3, 1, 0), (2, 2, 0), (3, 2, 1000)])
-def test_resume_trains_on_as_the_uninterrupted_run(stage: int, world: int, persistence: int,
-                                                   saved: tuple[Path, dict[str, Any]]) -> None:
+@pytest.mark.parametrize(("stage", "world", "persistence", "nvme"),
+                         [(3, 2, 0, False), (3, 1, 0, False), (2, 2, 0, False), (3, 2, 1000, False), (3, 2, 0, True)])
+def test_resume_trains_on_as_the_uninterrupted_run(stage: int, world: int, persistence: int, nvme: bool,
+                                                   saved: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
     """The frozen parameters are changed before the load, which must replace them (with persistence
-    1000 the small frozen units stay gathered, and the load must refresh them)."""
+    1000 the small frozen units stay gathered, and the load must refresh them; with NVMe it writes
+    their swap file)."""
     root, ref = saved
-    _check(run_distributed(resume_worker, world, str(root), stage, persistence)[0], ref["final"])
+    swap = str(tmp_path) if nvme else None
+    _check(run_distributed(resume_worker, world, str(root), stage, persistence, swap)[0], ref["final"])
+    assert not any(tmp_path.iterdir()), "swap files were left behind"
+
+
+def test_a_save_from_swap_files_holds_the_same_values(saved: tuple[Path, dict[str, Any]]) -> None:
+    """The checkpoint saved with every state in swap files (the frozen chunks read from theirs)
+    holds exactly what the in-memory run's holds: offload is bit-identical."""
+    root, _ = saved
+    for rank in range(2):
+        name = f"rank-{rank:05d}-of-00002.safetensors"
+        with safe_open(str(root / "lora" / name), "pt") as a, safe_open(str(root / "from_nvme" / "lora" / name),
+                                                                        "pt") as b:
+            keys = [k for k in a.keys() if k.startswith(("frozen/", "master/", "optim/"))]
+            assert keys and set(keys) == {k for k in b.keys() if k.startswith(("frozen/", "master/", "optim/"))}
+            for k in keys:
+                assert torch.equal(a.get_tensor(k), b.get_tensor(k)), (rank, k)
 
 
 def test_zero_to_fp32_has_the_frozen_parameters(saved: tuple[Path, dict[str, Any]]) -> None:
