@@ -31,10 +31,11 @@ def done_markers(out: Path | str, world: int = 2) -> list[Path]:
     return [Path(f"{out}.rank{r}.done") for r in range(world)]
 
 
-def died_in_teardown(name: str, log: str, done: Iterable[Path]) -> bool:
+def died_in_teardown(name: str, log: str, done: Iterable[Path], marks: Iterable[str] = ABORT_MARKS) -> bool:
     """Whether job ``name`` failed only by a teardown abort after every ``done`` marker was written
-    (and if so, warn)."""
-    if not all(mark in log for mark in ABORT_MARKS) or not all(Path(p).exists() for p in done):
+    (and if so, warn). ``marks``: what the log shows of the abort (a process run without torchrun
+    prints only the first)."""
+    if not all(mark in log for mark in marks) or not all(Path(p).exists() for p in done):
         return False
     warnings.warn(f"{name}: a process died by SIGABRT in torch's teardown after the script finished "
                   "(every rank's done marker is there); its results are checked as they are",

@@ -35,6 +35,7 @@ from typing import Any
 import pytest
 from harness import run_distributed
 from models import make_data, make_model
+from teardown import ABORT_MARKS, died_in_teardown
 
 import zeroshard
 from zeroshard.errors import ConfigError, OffloadIOError
@@ -326,6 +327,8 @@ d = engine.optimizer.store.directory
 print(d, d.is_dir(), sorted(p.name for p in d.iterdir()), flush=True)
 if {crash!r}:
     os._exit(0)
+dist.destroy_process_group()  # the script's own group (the engine is what is left undestroyed)
+open({done!r}, "w").close()
 """
 
 
@@ -334,11 +337,16 @@ def test_interpreter_exit_removes_swap_directory(tmp_path: Path, crash: bool) ->
     """No ``destroy()``: a clean exit removes the swap directory; ``os._exit`` (no atexit) leaves it."""
     nvme = tmp_path / "nvme"
     nvme.mkdir()
+    done = tmp_path / "out.rank0.done"
     script = _EXIT_SCRIPT.format(tests=str(Path(__file__).resolve().parents[1]), store=str(tmp_path / "store"),
-                                 nvme=str(nvme), crash=crash)
+                                 nvme=str(nvme), crash=crash, done=str(done))
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # gloo now and then aborts a process in torch's teardown after the script has finished
+    # (tests/teardown.py; seen here once in CI): the atexit hook under test has run by then
+    aborted = proc.returncode == -6 and died_in_teardown("the interpreter-exit script", proc.stderr, [done],
+                                                         ABORT_MARKS[:1])
+    assert proc.returncode == 0 or aborted, proc.stderr[-3000:]
     directory, existed, files = proc.stdout.strip().split(" ", 2)
     assert existed == "True" and "exp_avg.swp" in files, proc.stdout
     assert Path(directory).is_relative_to(nvme)
