@@ -80,3 +80,47 @@ def test_cuda_zero_init_hugging_face() -> None:
         losses.append(loss.item())
     assert losses[-1] < losses[0]
     assert engine.memory_usage()["parameters"] == 0  # at rest: only the shard
+
+
+@pytest.mark.parametrize("param_device", ["none", "cpu"])
+def test_cuda_lora_frozen_base_partitioned(param_device: str) -> None:
+    """LoRA at ZeRO-3 on the GPU, the base built under zero.Init: the frozen base's chunks are kept
+    (on the device, or pinned in host memory with ``offload_param: cpu``) and gathered like the
+    trained ones; fp32 parity with plain PyTorch on the same GPU, the base unchanged."""
+    import torch.nn.functional as F
+    from lora_model import build, data, trains
+
+    dev = torch.device("cuda")
+    x, y = data(24)
+    ref = build().to(dev)
+    trained = [p for p in ref.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=LR, weight_decay=0.01)
+    for s in range(4):
+        opt.zero_grad()
+        F.cross_entropy(ref(x[s * 6 : s * 6 + 6].to(dev)), y[s * 6 : s * 6 + 6].to(dev)).backward()
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
+        opt.step()
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    if param_device != "none":
+        zero["offload_param"] = {"device": param_device, "pin_memory": True}
+    cfg = {"train_micro_batch_size_per_gpu": 6, "gradient_clipping": 1.0, "zero_optimization": zero,
+           "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}}
+    m = build("device")
+    engine, *_ = zeroshard.initialize(model=m, config=cfg,
+                                      model_parameters=[p for p in m.parameters() if p.requires_grad])
+    placed = engine.optimizer.memory_placement()["frozen_parameter_shard"]
+    assert set(placed) == ({"device"} if param_device == "none" else {"pinned_host"}), placed
+    for s in range(4):
+        engine.backward(F.cross_entropy(engine(x[s * 6 : s * 6 + 6].to(dev)), y[s * 6 : s * 6 + 6].to(dev)))
+        engine.step()
+    with engine.gathered():
+        got = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    want = {n: p.detach() for n, p in ref.named_parameters()}
+    initial = dict(build().named_parameters())
+    for n in want:
+        if not trains(n):
+            assert torch.equal(got[n].cpu(), initial[n].detach()), n
+    num = sum(float((got[n] - want[n]).norm() ** 2) for n in want if trains(n)) ** 0.5
+    den = sum(float(want[n].norm() ** 2) for n in want if trains(n)) ** 0.5
+    print(f"cuda LoRA stage 3, frozen base on {param_device}: {num / den:.2e}")
+    assert num / den <= TOL["fp32"]
