@@ -217,3 +217,32 @@ def test_resume_deepspeed_checkpoint_in_zeroshard(world: int, ds_checkpoints) ->
         ref = refs["s2_bf16"][f"global_step{K}"]
         assert all(torch.equal(result["bf16 masters"][n].view(ref[n].shape), ref[n]) for n in ref)
     print("\n".join(report))
+
+
+def extras_worker(rank: int, world: int, root: str) -> dict:
+    """DeepSpeed's checkpoints with a frozen layer, loaded at zeroshard's stage 3, which partitions
+    it: each rank reads its chunk of the frozen weights (stage 3's ``frozen_param_fragments``, stage
+    2's whole module weights)."""
+    out = {}
+    cfg = {k: v for k, v in ds_config(3, "fp32").items() if k not in ("steps_per_print", "scheduler")}
+    cfg["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    for name, (_stage, tied) in EXTRAS_RUNS.items():
+        torch.manual_seed(1)  # other initial values than the checkpoint's
+        model = ExtrasNet(tied)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        engine, *_ = zeroshard.initialize(model=model, model_parameters=trained, config=cfg)
+        assert model.frozen.weight in engine.optimizer.frozen.ranges  # partitioned, not whole
+        engine.load_checkpoint(f"{root}/{name}", load_optimizer_states=False, load_lr_scheduler_states=False)
+        with engine.gathered():
+            out[name] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    return out
+
+
+def test_zeroshard_stage3_partitions_deepspeed_frozen_parameters(ds_checkpoints) -> None:
+    root, refs = ds_checkpoints
+    for world in (2, 3):
+        result = run_distributed(extras_worker, world, str(root))[0]
+        for name in EXTRAS_RUNS:
+            ref = refs[name]["global_step1"]
+            for n, v in result[name].items():
+                assert torch.equal(v, ref[n]), (world, name, n)
