@@ -19,12 +19,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from zeroshard import host_memory
 from zeroshard.offload import OffloadPolicy
 from zeroshard.offload.param_store import ParamShard, place_shard
 from zeroshard.offload.policy import Residency, should_pin, state_device
 from zeroshard.partition import INIT_CHUNK_ATTR, Bucket, buckets_from_groups
-from zeroshard.stages.coordinator import TRIM_BYTES
 from zeroshard.stages.param_unit import ParamUnit, UnitState
 from zeroshard.stages.units import unit_groups
 
@@ -57,9 +55,6 @@ class FrozenShard:
         #: this rank's elements ``[lo, hi)`` of each frozen parameter's flattened value
         self.ranges = {p: lay.local_range(rank) for b in self.buckets for p, lay in zip(b.params, b.layouts)}
         names = {p: n for n, p in module.named_parameters()}
-        # The freed zero.Init chunks go back to the system as the rows are made: the rows are a little
-        # larger (padding, several parameters), so malloc would not reuse the chunks' memory for them.
-        self._trim = host_memory.TrimEvery(TRIM_BYTES, site="setup")
         #: the swap file the chunks live in (``offload_param: nvme``), else ``None``
         self.file_shard: ParamShard | None = None
         if offload.params is Residency.FILE:
@@ -69,8 +64,8 @@ class FrozenShard:
         pin = should_pin(offload.param_pin_memory, device) and where.type == "cpu"
         self.units: list[ParamUnit] = []
         for b in self.buckets:
-            # In memory, each unit's chunk is a tensor of its own, made when its zero.Init chunks
-            # are freed: one flat buffer would hold the frozen model's chunks twice until the last.
+            # In memory, each unit's row is a tensor of its own, adopted or made as its zero.Init
+            # chunks are let go: one flat buffer would be whole while every chunk is still held.
             row = None
             if self.file_shard is None:
                 row = self._adopted_chunk(b, where, pin)
@@ -107,9 +102,7 @@ class FrozenShard:
             values = chunk.reshape(-1)[: hi - lo] if chunk is not None else p.detach().reshape(-1)[lo:hi]
             row[off : off + hi - lo].copy_(values)
             if chunk is not None:
-                delattr(p, INIT_CHUNK_ATTR)
-                if chunk.device.type == "cpu":
-                    self._trim.freed(chunk.numel() * chunk.element_size())
+                delattr(p, INIT_CHUNK_ATTR)  # its slab is freed once none of its chunks is held
         return row
 
     def _where(self, p: torch.nn.Parameter) -> tuple[ParamUnit, int, int]:
@@ -126,7 +119,7 @@ class FrozenShard:
 
     def write(self, p: torch.nn.Parameter, values: torch.Tensor) -> None:
         """Overwrite this rank's elements of ``p`` (cast to the compute dtype); a gathered copy is
-        stale until :meth:`refresh`."""
+        stale until the optimizer's next ``publish()`` releases it (:meth:`stale_units`)."""
         unit, off, n = self._where(p)
         if values.numel() != n:
             raise ValueError(f"frozen parameter {unit.name!r}: {values.numel()} values for {n} elements")
