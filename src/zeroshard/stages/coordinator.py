@@ -386,9 +386,9 @@ class ParamCoordinator:
 
     def end_of_pass(self) -> None:
         """After backward: release everything not persistent, except frozen units the live budget
-        holds (their values never change: gathered again next step, they would cost only time,
-        twice the step of a LoRA fine-tune on CPU, at no lower peak); adopt the recorded order as
-        the trace."""
+        holds (their values never change: gathered again each step, they cost only time, 0.7 s
+        against 0.45 s per step of a LoRA fine-tune here, at the same peak); adopt the recorded
+        order as the trace."""
         keep: set[ParamUnit] = set()
         room = self.max_live_numel
         for u in reversed(self.live):  # the most recently used first
