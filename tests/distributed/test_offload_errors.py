@@ -354,3 +354,25 @@ def test_interpreter_exit_removes_swap_directory(tmp_path: Path, crash: bool) ->
         assert Path(directory).is_dir(), "the directory vanished without the atexit hook: the check proves nothing"
     else:
         assert _runs_left(nvme) == [], f"swap directory left after a clean exit: {os.listdir(nvme)}"
+
+
+def _undestroyed_worker(rank: int, world: int, nvme: str) -> str:
+    """An NVMe-offloaded stage-3 engine (optimizer state and parameters in swap files) left without
+    ``destroy()`` in a multiprocessing child, as the Hugging Face Trainer leaves it."""
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": nvme},
+                                 "offload_param": {"device": "nvme", "nvme_path": nvme}}}
+    engine, *_ = zeroshard.initialize(model=make_model(0), config=cfg)
+    x, y = make_data(1, 8)
+    engine.backward(engine(x[0, rank * 4 : rank * 4 + 4], y[0, rank * 4 : rank * 4 + 4]))
+    engine.step()
+    assert any(Path(nvme).iterdir())
+    return str(engine.optimizer.store.directory)
+
+
+def test_multiprocessing_child_exit_removes_swap_directories(tmp_path: Path) -> None:
+    """A multiprocessing child ends in ``os._exit`` without running ``atexit`` hooks: the swap
+    directories go with its ``multiprocessing`` finalizers (they were left behind before)."""
+    made = run_distributed(_undestroyed_worker, 2, str(tmp_path))
+    assert all(made) and not any(tmp_path.iterdir()), f"left behind: {list(tmp_path.iterdir())}"

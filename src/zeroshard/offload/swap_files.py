@@ -4,7 +4,7 @@ The I/O engine (:mod:`zeroshard.offload.aio`) reads and writes the files made he
 files in a fresh directory per process and rank, ``<nvme_path>/zeroshard-swap-<pid>-<random>/rank<r>``
 (:func:`swap_dir`): two runs, or two ranks, never share a file, and a directory left by a crashed
 run is never reused. :func:`remove_swap_dir` deletes it; an ``atexit`` hook deletes what is left on
-a clean interpreter exit.
+a clean interpreter exit (and a ``multiprocessing`` finalizer at the end of a child process).
 
 A :class:`SwapFile` is preallocated at creation (``posix_fallocate``), so a disk too small fails
 then and not in the middle of training, and is opened once, with ``O_DIRECT`` where the filesystem
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import multiprocessing.util
 import os
 import secrets
 import shutil
@@ -112,19 +113,22 @@ def check_free_space(directory: Path, nbytes: int, what: str) -> None:
 
 
 class _SwapDirs:
-    """The swap directories this process created, removed on a clean interpreter exit."""
+    """The swap directories this process created, removed on a clean interpreter exit, or at the
+    end of a ``multiprocessing`` child (``torch.multiprocessing.spawn``, a notebook's ``Process``),
+    which leaves through ``os._exit`` after its finalizers and never runs ``atexit`` hooks."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._dirs: set[Path] = set()
-        self._hooked = False
+        self._hooked_pid = 0
 
     def add(self, rank_dir: Path) -> None:
         with self._lock:
             self._dirs.add(rank_dir)
-            if not self._hooked:
+            if self._hooked_pid != os.getpid():  # not yet in this process (a forked child inherits the flag)
+                self._hooked_pid = os.getpid()
                 atexit.register(self.remove_all, os.getpid())
-                self._hooked = True
+                multiprocessing.util.Finalize(None, self.remove_all, args=(os.getpid(),), exitpriority=0)
 
     def discard(self, rank_dir: Path) -> None:
         with self._lock:
