@@ -215,7 +215,7 @@ class ZeroshardSource(CheckpointSource):
         """From the metadata (version 2), or the extra file's header (version 1)."""
         if name in self._frozen:
             return self._frozen[name][0]
-        return tuple(self._reader(EXTRA_FILE).info(f"frozen/{name}").shape)
+        return tuple(self._reader(EXTRA_FILE).info(frozen_key(name)).shape)
 
     def read_frozen(self, name: str, lo: int, hi: int) -> torch.Tensor:
         """From the pieces that hold the range (version 2)."""

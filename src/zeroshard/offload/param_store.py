@@ -26,7 +26,7 @@ import torch
 from zeroshard.errors import ConfigError
 from zeroshard.offload.aio import AsyncIO, IOHandle, SwapFile, check_free_space, remove_swap_dir, round_up, swap_dir
 from zeroshard.offload.buffers import BufferPool
-from zeroshard.offload.policy import OffloadPolicy, Residency, host_device, should_pin
+from zeroshard.offload.policy import OffloadPolicy, Residency, host_device, place_of, should_pin
 from zeroshard.partition import Bucket
 
 __all__ = ["ParamShard", "ParamSwapFile", "PendingRead", "make_param_shard", "place_shard"]
@@ -169,8 +169,7 @@ class ParamShard:
             buffers = "pinned_host" if self.swap.pool.pin else "host"
             return {"file": self.swap.file_bytes, buffers: self.swap.pool.nbytes}
         assert self.flat is not None
-        place = "device" if self.flat.device.type != "cpu" else ("pinned_host" if self.flat.is_pinned() else "host")
-        return {place: self.flat.numel() * self.flat.element_size()}
+        return {place_of(self.flat): self.flat.numel() * self.flat.element_size()}
 
     def flush(self) -> None:
         """Wait for parameter writes in flight (after an optimizer step publishes)."""

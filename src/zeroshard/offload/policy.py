@@ -116,6 +116,14 @@ def should_pin(pin: bool, device: torch.device) -> bool:
     return pin and device.type != "cpu" and torch.cuda.is_available()
 
 
+def place_of(t: torch.Tensor) -> str:
+    """Where ``t``'s bytes are, in the names of ``memory_placement()``: ``device``, ``pinned_host``
+    or ``host``."""
+    if t.device.type != "cpu":
+        return "device"
+    return "pinned_host" if t.numel() and t.is_pinned() else "host"
+
+
 def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """A host tensor, page-locked when ``pin``."""
     return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pin)

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from zeroshard.offload.policy import Residency
+from zeroshard.offload.policy import Residency, place_of
 from zeroshard.partition import Bucket, consecutive_runs
 
 __all__ = ["StateStore", "SubGroup", "make_subgroups"]
@@ -201,14 +201,9 @@ class StateStore:
         for st in self._opt.state.values():
             for v in st.values():
                 if isinstance(v, torch.Tensor):
-                    places[_where(v)] = places.get(_where(v), 0) + v.numel() * v.element_size()
-        return {"master_weights": {_where(self.master.flat): self.master.bytes_held()}, "optimizer_states": places}
+                    places[place_of(v)] = places.get(place_of(v), 0) + v.numel() * v.element_size()
+        return {"master_weights": {place_of(self.master.flat): self.master.bytes_held()}, "optimizer_states": places}
 
     def close(self) -> None:
         """Release files and buffers (nothing to do in memory)."""
 
-
-def _where(t: torch.Tensor) -> str:
-    if t.device.type != "cpu":
-        return "device"
-    return "pinned_host" if t.numel() and t.is_pinned() else "host"

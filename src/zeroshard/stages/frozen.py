@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from zeroshard.offload import OffloadPolicy
 from zeroshard.offload.param_store import ParamShard, place_shard
-from zeroshard.offload.policy import Residency, should_pin, state_device
+from zeroshard.offload.policy import Residency, place_of, should_pin, state_device
 from zeroshard.partition import INIT_CHUNK_ATTR, Bucket, buckets_from_groups
 from zeroshard.stages.param_unit import ParamUnit, UnitState
 from zeroshard.stages.units import unit_groups
@@ -139,7 +139,7 @@ class FrozenShard:
         out: dict[str, int] = {}
         for u in self.units:
             assert u.shard is not None
-            place = "device" if u.shard.device.type != "cpu" else ("pinned_host" if u.shard.is_pinned() else "host")
+            place = place_of(u.shard)
             out[place] = out.get(place, 0) + u.shard.numel() * u.shard.element_size()
         return out
 
