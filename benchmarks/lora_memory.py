@@ -26,13 +26,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
+sys.path[:0] = [str(ROOT / "tests")]
 
+import rss  # noqa: E402  (tests/rss.py)
 import torch  # noqa: E402
 from harness import run_distributed  # noqa: E402
 from lora_model import adapted_stack  # noqa: E402
-
-from benchmarks.proc_memory import status  # noqa: E402
 
 MiB = 2**20
 
@@ -73,14 +72,9 @@ def worker(rank: int, world: int, system: str, layers: int, width: int, one_laye
            steps: int) -> dict[str, Any]:
     """One rank: a one-layer warm-up run, the baseline, then the measured run."""
     _run(system, 1, width, one_layer, 2, rank)
-    import gc
-
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
-    base = status()
+    base = rss.reset_peak()  # the memory test's reset: garbage collected, VmHWM := VmRSS
     out = _run(system, layers, width, one_layer, steps, rank)
-    now = status()
+    now = rss.status()
     return {**out, "peak": now["VmHWM"] - base["VmRSS"], "current": now["VmRSS"] - base["VmRSS"]}
 
 
