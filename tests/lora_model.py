@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from models import relative_distance
 from torch import nn
 
 import zeroshard
@@ -55,6 +56,19 @@ def build(zero_init: str | None = None) -> Net:
     for n, p in m.named_parameters():
         p.requires_grad_(trains(n))
     return m
+
+
+def check_lora(w: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], tol: float, what: str = "") -> float:
+    """Assert that ``w`` has the frozen weights of :func:`build` exactly and the trained ones within
+    ``tol`` of ``ref`` (relative distance, returned); ``what`` prefixes the messages."""
+    initial = {n: p.detach() for n, p in build().named_parameters()}
+    assert set(w) == set(ref), f"{what}parameter names differ"
+    for n in ref:
+        if not trains(n):
+            assert torch.equal(w[n].cpu(), initial[n]), f"{what}frozen {n} changed"
+    rel = relative_distance(w, ref, [n for n in ref if trains(n)])
+    assert rel <= tol, f"{what}‖w − w_ref‖/‖w_ref‖ = {rel:.2e}"
+    return rel
 
 
 def data(n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -91,3 +92,11 @@ def gathered_weights(engine: Any) -> dict[str, torch.Tensor]:
     """The module's parameters, whole (gathered at ZeRO-3: a collective), as fp32 copies."""
     with engine.gathered():
         return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+
+
+def relative_distance(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
+                      names: Iterable[str] | None = None) -> float:
+    """‖got − ref‖ / ‖ref‖ over the tensors ``names`` (every key of ``ref`` by default), in fp32."""
+    keys = list(ref) if names is None else list(names)
+    a, b = (torch.cat([d[n].float().reshape(-1) for n in keys]) for d in (got, ref))
+    return ((a - b).norm() / b.norm()).item()

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 from harness import run_distributed
-from models import make_data, make_model, micro_batch
+from models import make_data, make_model, micro_batch, relative_distance
 
 import zeroshard
 from zeroshard.checkpoint.source import open_source
@@ -128,11 +128,6 @@ def ds_resume(rank: int, world: int, root: str) -> dict:
     return out
 
 
-def _rel(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
-    diff = torch.cat([(got[n].float() - ref[n].float()).reshape(-1) for n in ref]).norm()
-    return (diff / torch.cat([ref[n].float().reshape(-1) for n in ref]).norm()).item()
-
-
 def test_deepspeed_zeroshard_deepspeed(tmp_path: Path) -> None:
     root = str(tmp_path)
     ref = run_distributed(ds_uninterrupted, DS_WORLD, root, timeout=900)[0]
@@ -141,7 +136,7 @@ def test_deepspeed_zeroshard_deepspeed(tmp_path: Path) -> None:
     for name, (stage, precision, _offload) in RUNS.items():
         tol = BF16_TOL if precision == "bf16" else FP32_TOL
         zs = zeroshard.get_fp32_state_dict_from_zero_checkpoint(tmp_path / "zs" / name)
-        rel = _rel(zs, ref[f"{name}@{K + J}"])
+        rel = relative_distance(zs, ref[f"{name}@{K + J}"])
         report.append(f"{name}: DeepSpeed x{DS_WORLD} -> zeroshard x{ZS_WORLD}, {J} steps: rel {rel:.1e}")
         assert rel <= tol, report[-1]
         if name == "s2_offload":
@@ -161,7 +156,7 @@ def test_deepspeed_zeroshard_deepspeed(tmp_path: Path) -> None:
                 for key in ("master", "exp_avg", "exp_avg_sq"):
                     assert torch.equal(ds.read(key, n, 0, p.numel), zs.read(key, n, 0, p.numel)), (name, key, n)
                 assert float(ds.read_scalar("step", n)) == float(zs.read_scalar("step", n)) == K + J, (name, n)
-        rel = _rel(back[f"{name}@{K + J + L}"], ref[f"{name}@{K + J + L}"])
+        rel = relative_distance(back[f"{name}@{K + J + L}"], ref[f"{name}@{K + J + L}"])
         report.append(f"{name}: -> DeepSpeed x{DS_WORLD}, {L} steps: rel {rel:.1e}")
         assert rel <= (BF16_TOL if precision == "bf16" else FP32_TOL), report[-1]
     print("\n".join(report))

@@ -13,7 +13,6 @@ before it partitioned them) give the same weights.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from harness import run_distributed
-from lora_model import build, data, trains
+from lora_model import build, check_lora, data, trains
 from models import gathered_weights
 from safetensors import safe_open
 
@@ -97,21 +96,6 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any
     return root, run_distributed(save_worker, 2, str(root))[0]
 
 
-def _relative(w: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
-    names = [n for n in ref if trains(n)]
-    num = sum(float((w[n] - ref[n]).norm() ** 2) for n in names)
-    return math.sqrt(num / sum(float(ref[n].norm() ** 2) for n in names))
-
-
-def _check(w: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
-    initial = dict(build().named_parameters())
-    assert set(w) == set(ref)
-    for n in ref:
-        if not trains(n):
-            assert torch.equal(w[n], initial[n].detach()), f"frozen {n} changed"
-    assert _relative(w, ref) <= TOL, f"‖w − w_ref‖/‖w_ref‖ = {_relative(w, ref):.2e}"
-
-
 def test_each_rank_file_holds_its_chunk_of_the_frozen_parameters(saved: tuple[Path, dict[str, Any]]) -> None:
     root, _ = saved
     frozen = {n: p.numel() for n, p in build().named_parameters() if not trains(n)}
@@ -136,7 +120,7 @@ def test_resume_trains_on_as_the_uninterrupted_run(stage: int, world: int, persi
     their swap file)."""
     root, ref = saved
     swap = str(tmp_path) if nvme else None
-    _check(run_distributed(resume_worker, world, str(root), stage, persistence, swap)[0], ref["final"])
+    check_lora(run_distributed(resume_worker, world, str(root), stage, persistence, swap)[0], ref["final"], TOL)
     assert not any(tmp_path.iterdir()), "swap files were left behind"
 
 

@@ -1,9 +1,8 @@
 """A LoRA fine-tune under ZeRO-3 holds its chunk of the frozen base model, in real resident memory.
 
 The base model (64 frozen 1024 x 1024 linear layers without biases, as in Llama: 67M parameters,
-256 MiB in fp32)
-is built under ``zero.Init``, as transformers' ZeRO-3 ``from_pretrained`` builds it; rank-8
-adapters train, at stage 3 on 2 ranks with a live budget of about one layer (the setting of
+256 MiB in fp32) is built under ``zero.Init``, as transformers' ZeRO-3 ``from_pretrained`` builds
+it; rank-8 adapters train, at stage 3 on 2 ranks with a live budget of about one layer (the setting of
 FSDP2's ``reshard_after_forward=True``, README "Memory"). Each rank's RSS, over a baseline taken
 just before the model is built, must stay below 70% of the frozen model at its peak through
 initialize and 2 steps (its half, 50%, plus a few gathered layers and the adapters' state), and

@@ -35,7 +35,7 @@ from typing import Any
 import pytest
 import torch
 from harness import run_distributed
-from models import make_data, make_model, micro_batch
+from models import make_data, make_model, micro_batch, relative_distance
 
 import zeroshard
 from zeroshard.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param
@@ -207,11 +207,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]]
     return root, results
 
 
-def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    fa, fb = torch.cat([a[n].reshape(-1) for n in b]), torch.cat([b[n].reshape(-1) for n in b])
-    return float((fa - fb).norm() / fb.norm())
-
-
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in b)
 
@@ -224,16 +219,16 @@ def test_resume_across_offload_world_size_and_stage(runs: tuple[str, dict[str, A
             mem, swapped = res[f"w{w}/ref/s{stage}-mem"], res[f"w{w}/ref/s{stage}-nvme"]
             if not _equal(mem, swapped):
                 failures.append(f"world {w} stage {stage}: NVMe reference differs from in-memory by "
-                                f"{_rel(swapped, mem):.2e}")
+                                f"{relative_distance(swapped, mem):.2e}")
         # the resumed steps move the weights far more than the bound
-        travelled = _rel(res[f"w{w}/saved/s2-mem"], res[f"w{w}/ref/s2-mem"])
+        travelled = relative_distance(res[f"w{w}/saved/s2-mem"], res[f"w{w}/ref/s2-mem"])
         assert travelled > 1000 * REL_TOL, f"the {J} steps after the save moved the weights by only {travelled:.1e}"
     cases = [(f"w{w}/resume/{w}/{s}->{t}", w, s) for w in (1, 2) for s, t in SAME_WORLD]
     cases += [(f"w2/resume/1to2/{s}->{t}", 1, s) for s, t in OTHER_WORLD]
     cases += [(f"back/resume/2to1/{s}->{t}", 2, s) for s, t in OTHER_WORLD]
     for key, source_world, source in cases:
         got, ref = res[key], res[f"w{source_world}/ref/{source}"]
-        rel = _rel(got["w"], ref)
+        rel = relative_distance(got["w"], ref)
         exact = _equal(got["w"], ref)
         report.append(f"{key}: {'bit-identical' if exact else f'{rel:.2e}'}")
         if got["steps"] != res[f"w{source_world}/steps/{source}"]:

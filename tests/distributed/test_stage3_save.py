@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness import log_lines, run_distributed
-from models import gathered_weights
+from models import gathered_weights, relative_distance
 
 import zeroshard
 from zeroshard.comm import collectives as C
@@ -60,11 +60,6 @@ def train(engine, steps: range, rank: int, world: int) -> None:
 
 def sharded_units(engine) -> int:
     return sum(u.state.value == "sharded" for u in engine.optimizer.units)
-
-
-def rel(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
-    a, b = (torch.cat([d[n].reshape(-1) for n in ref]) for d in (got, ref))
-    return ((a - b).norm() / b.norm()).item()
 
 
 # -- the repro: save after training, both live budgets; resume 2 -> 2 ranks at stage 3 -------------
@@ -108,9 +103,9 @@ def test_stage3_save_resume_and_convert(tmp_path: Path) -> None:
         for key in ("at_save", "reference", "resumed"):
             assert all(torch.equal(r0[f"{name}/{key}"][n], r1[f"{name}/{key}"][n]) for n in ref), (name, key)
         assert all(torch.equal(r0[f"{name}/resumed"][n], r0[f"{name}/reference"][n]) for n in ref), name
-        assert rel(r0[f"{name}/reference"], ref) <= REL_TOL, name
+        assert relative_distance(r0[f"{name}/reference"], ref) <= REL_TOL, name
     (one,) = run_distributed(resume_one_worker, 1, root, timeout=60)
-    assert rel(one, ref) <= REL_TOL
+    assert relative_distance(one, ref) <= REL_TOL
     out = tmp_path / "converted.safetensors"
     assert cli(["convert", f"{root}/small_live", str(out), "-q"]) == 0
     converted = load_file(out)
