@@ -254,7 +254,8 @@ def _param_groups(model: torch.nn.Module, optimizer: OptimizerArg,
     if isinstance(optimizer, torch.optim.Optimizer):
         groups = [dict(g) for g in optimizer.param_groups]
     elif model_parameters is not None:
-        items = list(model_parameters)
+        # As torch's optimizers take them: one tensor, tensors, (name, tensor) pairs, or groups.
+        items = [model_parameters] if isinstance(model_parameters, torch.Tensor) else list(model_parameters)
         if items and isinstance(items[0], dict):
             groups = [dict(g) for g in items]
         else:
@@ -263,8 +264,8 @@ def _param_groups(model: torch.nn.Module, optimizer: OptimizerArg,
         groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
     owned = {id(p): name for name, p in model.named_parameters()}
     seen: set[int] = set()
-    for g in groups:
-        params = [p for p in g["params"] if p.requires_grad]
+    for i, g in enumerate(groups):
+        params = [p for p in _tensors(g, i) if p.requires_grad]
         for p in params:
             if id(p) not in owned:
                 raise ConfigError("a parameter passed to initialize() does not belong to the model",
@@ -277,6 +278,24 @@ def _param_groups(model: torch.nn.Module, optimizer: OptimizerArg,
     if not seen:
         raise ConfigError("no trainable parameters (none requires grad)", key="model_parameters")
     return [g for g in groups if g["params"]]
+
+
+def _tensors(group: dict[str, Any], index: int) -> list[torch.Tensor]:
+    """A param group's tensors, taking names off ``(name, tensor)`` pairs (``named_parameters()``)."""
+    if "params" not in group:
+        raise ConfigError(f"param group {index} has no 'params' key (got keys {sorted(group)})", key="model_parameters")
+    items = group["params"]
+    items = [items] if isinstance(items, torch.Tensor) else list(items)
+    out = []
+    for item in items:
+        if (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                and isinstance(item[1], torch.Tensor)):
+            item = item[1]
+        if not isinstance(item, torch.Tensor):
+            raise ConfigError("model_parameters must hold parameters, (name, parameter) pairs or param group "
+                              f"dicts; param group {index} holds a {type(item).__name__}", key="model_parameters")
+        out.append(item)
+    return out
 
 
 def _bind_optimizer(zero_opt: ZeroOptimizer, optimizer: OptimizerArg, cfg: ZeroshardConfig) -> None:

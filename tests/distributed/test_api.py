@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -173,6 +174,49 @@ def test_config_errors_name_the_key() -> None:
     assert errors["no_optimizer"][0] == "optimizer"
     assert errors["both_optimizers"][0] == "optimizer"
     assert errors["auto"][0] == "optimizer.params.lr" or "optimizer.params.lr" in errors["auto"][1]
+
+
+def parameter_forms_worker(rank: int, world: int) -> dict[str, Any]:
+    """``model_parameters`` in each form torch's optimizers take; the decay/no-decay split of
+    Hugging Face scripts by name. Each trains one step at stage 3 (its groups' sizes and settings
+    kept), or fails with a ConfigError naming ``model_parameters``."""
+    cfg = {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    forms: dict[str, Any] = {
+        "named_parameters()": lambda m: m.named_parameters(),
+        "a one-shot filter": lambda m: filter(lambda p: p.requires_grad, m.parameters()),
+        "one tensor": lambda m: m.out.weight,
+        "named groups": lambda m: [
+            {"params": [(n, p) for n, p in m.named_parameters() if n.endswith("weight")], "weight_decay": 0.1},
+            {"params": [(n, p) for n, p in m.named_parameters() if not n.endswith("weight")], "weight_decay": 0.0}],
+        "a group of one tensor": lambda m: [{"params": m.out.weight}, {"params": [m.out.bias], "lr": 0.5}],
+        "names only": lambda m: [n for n, _ in m.named_parameters()],
+        "a group without params": lambda m: [{"weights": list(m.parameters())}],
+    }
+    x, y = make_data(1, 8)
+    out: dict[str, Any] = {}
+    for name, form in forms.items():
+        model = make_model(0)
+        try:
+            engine, *_ = zeroshard.initialize(model=model, model_parameters=form(model), config=cfg)
+        except zeroshard.ConfigError as e:
+            out[name] = f"ConfigError {e.key}: {e}"
+            continue
+        engine.backward(engine(x[0, rank * 4 : rank * 4 + 4], y[0, rank * 4 : rank * 4 + 4]))
+        engine.step()
+        out[name] = [(len(g["params"]), g["lr"], g["weight_decay"]) for g in engine.optimizer.param_groups]
+    return out
+
+
+def test_model_parameters_in_every_form_torch_takes() -> None:
+    out = run_distributed(parameter_forms_worker, 2)[0]
+    every = [(8, 1e-2, 0.0)]  # ToyNet: 8 parameters, the config's lr, DeepSpeed's default decay 0
+    assert out["named_parameters()"] == every and out["a one-shot filter"] == every
+    assert out["one tensor"] == [(1, 1e-2, 0.0)]
+    assert out["named groups"] == [(4, 1e-2, 0.1), (4, 1e-2, 0.0)]
+    assert out["a group of one tensor"] == [(1, 1e-2, 0.0), (1, 0.5, 0.0)]
+    assert "model_parameters" in out["names only"] and "param group 0 holds a str" in out["names only"]
+    assert "model_parameters" in out["a group without params"] and "no 'params' key" in out["a group without params"]
 
 
 def shared_configs_worker(rank: int, world: int, names: list[str], nvme: str) -> dict[str, str]:

@@ -6,7 +6,9 @@ Module forward pre-hooks gather the units of the module's direct parameters; for
 wrap the outputs in an identity autograd function whose backward gathers the units again before
 the module's own backward runs. In backward a unit is released as soon as its gradients are
 complete (the gradient sync tells us); whatever is still gathered when backward returns is
-released then.
+released then. A forward that reads a parameter another module owns (a head tied by hand, a
+regulariser over a child's weight) gathers its unit for the innermost module call in progress,
+as if that module owned it (:mod:`~zeroshard.stages.param_reads`).
 
 After forward, units are *not* released at once: they stay gathered while the gathered total is
 under ``stage3_max_live_parameters`` and are evicted least-recently-used beyond it. Units in use
@@ -47,6 +49,7 @@ from zeroshard import host_memory
 from zeroshard.comm import agreement
 from zeroshard.comm import collectives as C
 from zeroshard.comm.subset import arrive
+from zeroshard.stages import param_reads
 from zeroshard.stages.param_unit import ParamUnit, UnitState
 from zeroshard.stages.units import is_leaf, unit_modules
 
@@ -110,6 +113,9 @@ class ParamCoordinator:
         self.window_log: list[int] = []
         #: this pass's forward requests, one list per module call (its backward runs them in reverse)
         self._forward_calls: list[list[ParamUnit]] = []
+        #: the units of each module call in progress, innermost last: the module's own, then those
+        #: of other modules' parameters its forward read (:meth:`read_outside_module`)
+        self.calls: list[list[ParamUnit]] = []
         self._in_backward = False
         self.peak_gathered_numel = 0
         self._handles: list[Any] = []
@@ -130,12 +136,17 @@ class ParamCoordinator:
                                                 every_step=mode == "all")
             for u in units:
                 u.verify = self._verify
-        for m in self.module_units:
+        # Every module, not only those with parameters: :attr:`calls` must know the innermost module
+        # call in progress when a forward reads another module's parameter. always_call: a forward
+        # that raises must not leave its call behind.
+        for m in unit_modules(module):
             self._handles.append(m.register_forward_pre_hook(self._pre_forward))
-            self._handles.append(m.register_forward_hook(self._post_forward))
+            self._handles.append(m.register_forward_hook(self._post_forward, always_call=True))
+        for m in self.module_units:
             self._handles.append(m.register_state_dict_pre_hook(self._pre_state_dict))
             # torch tags the hook object itself, which a bound method does not allow.
             self._handles.append(m.register_state_dict_post_hook(functools.partial(self._post_state_dict)))
+        self._watched = param_reads.watch(module.modules(), self, set(by_param))
 
     # -- state dicts: full tensors, one module's units at a time --------------------------------
     @contextmanager
@@ -165,7 +176,11 @@ class ParamCoordinator:
 
     # -- hooks -------------------------------------------------------------------------------
     def _pre_forward(self, module: torch.nn.Module, args: Any) -> Any:
-        units = self.module_units[module]
+        # A list of this call's own: units of parameters its forward reads from other modules join it.
+        units = list(self.module_units.get(module, ()))
+        self.calls.append(units)
+        if not units:
+            return None
         self.fetch(units)
         if not torch.is_grad_enabled():
             return None
@@ -192,7 +207,9 @@ class ParamCoordinator:
         self._evict()
 
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
-        units = self.module_units[module]
+        units = self.calls.pop() if self.calls else []
+        if not units:
+            return output
         self._drop_pins(units)
         self._evict()
         if not torch.is_grad_enabled():
@@ -255,6 +272,16 @@ class ParamCoordinator:
         if record:
             self._prefetch()
 
+    def read_outside_module(self, u: ParamUnit) -> None:
+        """A forward read a parameter of ``u``, which is not gathered: another module's (see
+        :mod:`~zeroshard.stages.param_reads`). Gather it for the innermost module call in progress,
+        which unpins it when it ends and gathers it again before its own backward; every rank runs
+        the same forward, so every rank gathers it here too."""
+        if u not in self._unit_index:
+            return
+        self.fetch([u])
+        self.calls[-1].append(u)
+
     def _verify(self, u: ParamUnit) -> None:
         self._guard(self._unit_index[u], u.numel, "backward" if self._in_backward else "forward", u.gather_what)
 
@@ -266,6 +293,7 @@ class ParamCoordinator:
         self._departed = False
         self._ahead.clear()
         self._forward_calls = []
+        self.calls = []
         self._in_backward = False
 
     def new_window(self) -> None:
@@ -424,3 +452,5 @@ class ParamCoordinator:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        param_reads.unwatch(self._watched)
+        self._watched = []

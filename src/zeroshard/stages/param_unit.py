@@ -28,9 +28,11 @@ rank's row while it is gathered (the shard's pages are handed back, :mod:`~zeros
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -39,6 +41,25 @@ from zeroshard import host_memory
 from zeroshard.comm import collectives as C
 from zeroshard.partition import INIT_CHUNK_ATTR, SHAPE_ATTR, Bucket, full_shape, gather_from_rows
 from zeroshard.stages.lent_rows import RowLender
+
+#: the attribute naming a ZeRO-3 parameter's unit
+UNIT_ATTR = "_zeroshard_unit"
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _outside_inference_mode(fn: _F) -> _F:
+    """Run ``fn`` with inference mode off. A unit keeps its full tensors (and refills the same
+    storage) across calls: made during ``torch.inference_mode()`` (``generate()`` in an evaluation
+    loop) they would be inference tensors, which the next training step cannot save for backward
+    nor refill in place. Plain tensors work in both."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext():
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 class UnitState(enum.Enum):
@@ -102,7 +123,7 @@ class ParamUnit:
         """Take over the unit's parameters once its shard holds their values: placeholders from now
         on. The module's full tensors are the caller's: dropped, not freed under it."""
         for p, shape in zip(self.params, self.shapes):
-            p._zeroshard_unit = self  # type: ignore[attr-defined]
+            setattr(p, UNIT_ATTR, self)
             setattr(p, SHAPE_ATTR, shape)
             if hasattr(p, INIT_CHUNK_ATTR):
                 delattr(p, INIT_CHUNK_ATTR)  # a zero.Init chunk, copied into (or adopted as) the shard
@@ -123,6 +144,7 @@ class ParamUnit:
         """Elements of the unit's gathered parameters."""
         return sum(p_layout.numel for p_layout in self.bucket.layouts)
 
+    @_outside_inference_mode
     def launch_gather(self) -> None:
         """Start the all-gather (no-op unless ``SHARDED``)."""
         if self.state is not UnitState.SHARDED:
@@ -173,6 +195,7 @@ class ParamUnit:
         assert self.in_flight and self._pending is not None
         return self._pending[0].view(self.world, self.bucket.numel)[rank]
 
+    @_outside_inference_mode
     def wait_gather(self, lend: bool = False) -> None:
         """Finish a gather: full parameter tensors in place of the placeholders. With ``lend`` (a
         gather for training), the shard's row may be handed to them until the unit is released."""
@@ -238,6 +261,7 @@ class ParamUnit:
             self._landing = flat[:padded]
         return [t.view(shape) for t, shape in zip(flat[: sum(numels)].split(numels), self.shapes)]
 
+    @_outside_inference_mode
     def release(self, free_storage: bool = True) -> None:
         """Drop the gathered tensors; the shard remains the only copy. With ``free_storage`` their
         storage is freed in place (views autograd saved of them included) and refilled by the

@@ -1,12 +1,14 @@
 """``zero.register_external_parameter``: a module reads a parameter that another module owns.
 
-Under ZeRO-3 a module's forward gathers the units of its *own* parameters; one that reads another
-module's parameter (a tied weight, a shared embedding) would find it released. DeepSpeed's remedy,
-kept here with its signature: ``register_external_parameter(module, parameter)`` in the module's
-``__init__``. A forward pre-hook on ``module`` then gathers ``parameter``'s unit through the ZeRO-3
-coordinator and keeps it for the pass: the unit stays pinned until backward has finished with it
-(its gradients are complete) or the pass ends; in a forward without gradients it is unpinned right
-after the module's forward. Before ``initialize`` and at stages 0-2 the hooks do nothing.
+Under ZeRO-3 a module's forward gathers the units of its *own* parameters. A forward that reads
+another module's parameter (a tied weight, a shared embedding) gathers it on that read
+(:mod:`zeroshard.stages.param_reads`, as DeepSpeed does), so registering is not needed; DeepSpeed's
+explicit API is kept with its signature for scripts and models that call it
+(``register_external_parameter(module, parameter)`` in the module's ``__init__``). A forward
+pre-hook on ``module`` then gathers ``parameter``'s unit through the ZeRO-3 coordinator and keeps
+it for the pass: the unit stays pinned until backward has finished with it (its gradients are
+complete) or the pass ends; in a forward without gradients it is unpinned right after the
+module's forward. Before ``initialize`` and at stages 0-2 the hooks do nothing.
 """
 
 from __future__ import annotations
