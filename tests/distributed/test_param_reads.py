@@ -5,7 +5,9 @@ Real models read parameters outside the module that owns them: a head tied by ha
 regulariser over a child's weight computed before that child runs, a sibling's norm weight. At
 rest a ZeRO-3 parameter is an empty placeholder, and zeroshard gathered units only in their own
 module's forward: such reads saw no values (a wrong evaluation without an error) or failed in
-backward. DeepSpeed gathers them on attribute access; so does zeroshard now.
+backward. torch's own ``nn.MultiheadAttention`` (so ``nn.TransformerEncoderLayer``) is such a
+model: it hands ``out_proj.weight`` to its functional form. DeepSpeed gathers these parameters on
+attribute access; so does zeroshard now.
 
 Evaluation under ``torch.inference_mode()`` (``generate()`` in a Hugging Face or TRL loop) made
 the units it gathered inference tensors, which the next training step could neither save for
@@ -71,22 +73,44 @@ class Net(nn.Module):
         return F.cross_entropy(logits.reshape(-1, V), y.reshape(-1)) + reg
 
 
+class Encoder(nn.Module):
+    """torch's own ``TransformerEncoderLayer``: ``MultiheadAttention`` passes ``out_proj.weight`` to
+    its functional form without calling ``out_proj``, and the evaluation fast path reads every
+    weight of the layer from the layer's forward, which owns none of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, D + 1)  # D + 1 = 24: 4 heads
+        # bias=False: the key bias gets a zero gradient (softmax ignores it), which Adam turns
+        # into steps of pure rounding noise, different for any summation order
+        layer = nn.TransformerEncoderLayer(D + 1, 4, dim_feedforward=41, dropout=0.0, batch_first=True, bias=False)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(D + 1, V)
+
+    def forward(self, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(self.encoder(self.embed(ids))).reshape(-1, V), y.reshape(-1))
+
+
+MODELS = {"tied by hand": Net, "torch TransformerEncoder": Encoder}
+CASES = [("tied by hand", name) for name in SETTINGS] + [("torch TransformerEncoder", "nothing live")]
+
+
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
     return (torch.randint(0, V, (STEPS, GLOBAL, SEQ), generator=g),
             torch.randint(0, V, (STEPS, GLOBAL, SEQ), generator=g))
 
 
-def _model() -> Net:
+def _model(kind: str) -> nn.Module:
     torch.manual_seed(0)
-    return Net()
+    return MODELS[kind]()
 
 
-def worker(rank: int, world: int, setting: dict[str, Any]) -> dict[str, Any]:
+def worker(rank: int, world: int, kind: str, setting: dict[str, Any]) -> dict[str, Any]:
     cfg = {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": GA, "gradient_clipping": 1.0,
            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **setting}}
-    engine, *_ = zeroshard.initialize(model=_model(), config=cfg)
+    engine, *_ = zeroshard.initialize(model=_model(kind), config=cfg)
     x, y = _data()
     out: dict[str, Any] = {}
     for step in range(STEPS):
@@ -112,22 +136,24 @@ def worker(rank: int, world: int, setting: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("name", list(SETTINGS))
-def test_parameters_read_outside_their_module_train_as_plain_pytorch(name: str) -> None:
-    results = run_distributed(worker, WORLD, SETTINGS[name])
+@pytest.mark.parametrize(("kind", "name"), CASES)
+def test_parameters_read_outside_their_module_train_as_plain_pytorch(kind: str, name: str) -> None:
+    results = run_distributed(worker, WORLD, kind, SETTINGS[name])
     x, y = _data()
-    half = _model()
+    half = _model(kind)
     train_reference(half, x[: STEPS // 2], y[: STEPS // 2], LR, 1.0)
+    half.eval()
     with torch.no_grad():
         inference = half(x[0], y[0]).item()
-    ref = _model()
+    ref = _model(kind)
     train_reference(ref, x, y, LR, 1.0)
+    ref.eval()
     with torch.no_grad():
         evaluation = ref(x[0], y[0]).item()
     weights = {n: p.detach() for n, p in ref.named_parameters()}
     for rank, r in enumerate(results):
         dist = relative_distance(r["weights"], weights)
-        assert dist <= FP32_TOL, f"{name}, rank {rank}: ‖w − w_ref‖/‖w_ref‖ = {dist:.2e}"
+        assert dist <= FP32_TOL, f"{kind}, {name}, rank {rank}: ‖w − w_ref‖/‖w_ref‖ = {dist:.2e}"
         assert r["inference"] == pytest.approx(inference, rel=FP32_TOL), (name, rank, r["inference"], inference)
         assert r["eval"] == pytest.approx(evaluation, rel=FP32_TOL), (name, rank, r["eval"], evaluation)
         assert r["saved"] == len(weights)
