@@ -6,8 +6,9 @@ regulariser over a child's weight computed before that child runs, a sibling's n
 rest a ZeRO-3 parameter is an empty placeholder, and zeroshard gathered units only in their own
 module's forward: such reads saw no values (a wrong evaluation without an error) or failed in
 backward. torch's own ``nn.MultiheadAttention`` (so ``nn.TransformerEncoderLayer``) is such a
-model: it hands ``out_proj.weight`` to its functional form. DeepSpeed gathers these parameters on
-attribute access; so does zeroshard now.
+model: it hands ``out_proj.weight`` to its functional form; so is a layer under
+``torch.nn.utils.weight_norm``, whose pre-hook computes the weight. DeepSpeed gathers these
+parameters on attribute access; so does zeroshard now.
 
 Evaluation under ``torch.inference_mode()`` (``generate()`` in a Hugging Face or TRL loop) made
 the units it gathered inference tensors, which the next training step could neither save for
@@ -21,6 +22,7 @@ Sizes divide by no world size.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -91,8 +93,24 @@ class Encoder(nn.Module):
         return F.cross_entropy(self.head(self.encoder(self.embed(ids))).reshape(-1, V), y.reshape(-1))
 
 
-MODELS = {"tied by hand": Net, "torch TransformerEncoder": Encoder}
-CASES = [("tied by hand", name) for name in SETTINGS] + [("torch TransformerEncoder", "nothing live")]
+class WeightNormed(nn.Module):
+    """``torch.nn.utils.weight_norm`` (Wav2Vec2's and HuBERT's positional convolution): a forward
+    pre-hook of the layer computes its weight from two of its parameters before the layer runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, D)
+        with warnings.catch_warnings():  # deprecated for torch.nn.utils.parametrizations.weight_norm
+            warnings.simplefilter("ignore", FutureWarning)
+            self.mid = torch.nn.utils.weight_norm(nn.Linear(D, D))
+        self.head = nn.Linear(D, V)
+
+    def forward(self, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(torch.tanh(self.mid(self.embed(ids)))).reshape(-1, V), y.reshape(-1))
+
+
+MODELS = {"tied by hand": Net, "torch TransformerEncoder": Encoder, "weight_norm": WeightNormed}
+CASES = [("tied by hand", name) for name in SETTINGS] + [(kind, "nothing live") for kind in list(MODELS)[1:]]
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:

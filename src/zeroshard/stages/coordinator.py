@@ -137,10 +137,11 @@ class ParamCoordinator:
             for u in units:
                 u.verify = self._verify
         # Every module, not only those with parameters: :attr:`calls` must know the innermost module
-        # call in progress when a forward reads another module's parameter. always_call: a forward
-        # that raises must not leave its call behind.
+        # call in progress when a forward reads another module's parameter. Before the model's own
+        # pre-hooks (prepend), which may read its parameters (``weight_norm`` computes the weight
+        # from two of them in one); always_call: a forward that raises must not leave its call behind.
         for m in unit_modules(module):
-            self._handles.append(m.register_forward_pre_hook(self._pre_forward))
+            self._handles.append(m.register_forward_pre_hook(self._pre_forward, prepend=True))
             self._handles.append(m.register_forward_hook(self._post_forward, always_call=True))
         for m in self.module_units:
             self._handles.append(m.register_state_dict_pre_hook(self._pre_state_dict))
