@@ -3,8 +3,8 @@ and resumed by zeroshard engines at other world sizes and stages, optimizer stat
 
 A session fixture runs real DeepSpeed once (2 ranks, CPU) with its default optimizer (FusedAdam,
 JIT-compiled by DeepSpeed on first use, about a minute on a fresh machine; it stores Adam's
-``step`` as a Python int) at ZeRO stages 1, 2, 3 in fp32 and stage 2 in bf16 (whose files carry
-the ``bf16_`` prefix), and with ``torch_adam`` (``step`` as a tensor) at stage 2. Each
+``step`` as a Python int) at ZeRO stages 1, 2, 3 in fp32 and stages 2 and 3 in bf16 (whose files
+carry the ``bf16_`` prefix), and with ``torch_adam`` (``step`` as a tensor) at stage 2. Each
 trains ``K`` steps and saves, trains ``J`` more and saves a ``final`` tag; DeepSpeed's own
 ``zero_to_fp32`` consolidates both tags inside that job. Two more runs (stages 2 and 3) save a
 model with BatchNorm buffers, an untrained layer and tied weights, and a last one uses DeepSpeed's
@@ -36,7 +36,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
 
 K, J, GLOBAL_BATCH, GA = 3, 2, 24, 2
 DS_RUNS = {"s1_fp32": (1, "fp32"), "s2_fp32": (2, "fp32"), "s3_fp32": (3, "fp32"), "s2_bf16": (2, "bf16"),
-           "s2_fp32_torch_adam": (2, "fp32")}
+           "s3_bf16": (3, "bf16"), "s2_fp32_torch_adam": (2, "fp32")}
+BF16_RUNS = ("s2_bf16", "s3_bf16")
 REL_TOL = 1e-5
 
 
@@ -193,10 +194,11 @@ def resume_worker(rank: int, world: int, root: str) -> dict:
             assert len(engine.optimizer.state) == len(list(engine.module.parameters()))
             train(engine, range(K, K + J), rank, world)
             out[f"{name}->stage{stage}"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    engine, *_ = zeroshard.initialize(model=make_model(4), config={**cfg, "bf16": {"enabled": True}})
-    engine.load_checkpoint(f"{root}/s2_bf16")
-    out["bf16 masters"] = {n: m.detach().clone() for n, m in
-                           ((n, engine.optimizer.master.views[p]) for n, p in engine.module.named_parameters())}
+    for name in BF16_RUNS:
+        engine, *_ = zeroshard.initialize(model=make_model(4), config={**cfg, "bf16": {"enabled": True}})
+        engine.load_checkpoint(f"{root}/{name}")
+        out[f"bf16 masters {name}"] = {n: m.detach().clone() for n, m in ((n, engine.optimizer.master.views[p])
+                                                                          for n, p in engine.module.named_parameters())}
     return out
 
 
@@ -206,7 +208,7 @@ def test_resume_deepspeed_checkpoint_in_zeroshard(world: int, ds_checkpoints) ->
     result = run_distributed(resume_worker, world, str(root))[0]
     report = []
     for key, got in result.items():
-        if key == "bf16 masters":
+        if key.startswith("bf16 masters"):
             continue
         ref = refs[key.split("->")[0]]["final"]
         flat = torch.cat([(got[n] - ref[n]).reshape(-1) for n in ref]).norm()
@@ -214,8 +216,9 @@ def test_resume_deepspeed_checkpoint_in_zeroshard(world: int, ds_checkpoints) ->
         report.append(f"DeepSpeed {key} at world {world}: rel {rel:.1e}")
         assert rel <= REL_TOL, report[-1]
     if world == 1:  # the whole master is local at world 1: it is DeepSpeed's fp32 master, bit for bit
-        ref = refs["s2_bf16"][f"global_step{K}"]
-        assert all(torch.equal(result["bf16 masters"][n].view(ref[n].shape), ref[n]) for n in ref)
+        for name in BF16_RUNS:
+            ref = refs[name][f"global_step{K}"]
+            assert all(torch.equal(result[f"bf16 masters {name}"][n].view(ref[n].shape), ref[n]) for n in ref), name
     print("\n".join(report))
 
 
