@@ -109,7 +109,8 @@ def check(values: list[int], group: dist.ProcessGroup | None, where: str,
         f"ranks disagree at {where}:\n{text}\nEvery rank must run the same number of forward and backward "
         "passes per optimizer step (a data loader with more batches on some ranks causes this)"
         + (", and under ZeRO-3 the same modules in the same order (their parameters are gathered with "
-           "collectives)" if sequence is not None else "") + "."
+           "collectives: an evaluation or generate() on some ranks only causes this too; run it on every rank)"
+           if sequence is not None else "") + "."
     )
 
 
