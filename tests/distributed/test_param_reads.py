@@ -29,7 +29,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from harness import run_distributed
-from models import relative_distance, train_reference
+from models import gathered_weights, micro_batch, relative_distance, train_reference
 from torch import nn
 
 import zeroshard
@@ -141,14 +141,12 @@ def worker(rank: int, world: int, kind: str, setting: dict[str, Any]) -> dict[st
                 out["inference"] = engine.module(x[0], y[0]).item()
             engine.train()
         for m in range(GA):
-            rows = slice((m * world + rank) * MB, (m * world + rank + 1) * MB)
-            engine.backward(engine(x[step, rows], y[step, rows]))
+            engine.backward(engine(*(micro_batch(t, step, m, rank, world, MB) for t in (x, y))))
             engine.step()
     engine.eval()
     with torch.no_grad():
         out["eval"] = engine(x[0], y[0]).item()
-    with engine.gathered():
-        out["weights"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    out["weights"] = gathered_weights(engine)
     engine.destroy()
     out["destroyed"] = type(engine.module.embed._parameters).__name__
     return out

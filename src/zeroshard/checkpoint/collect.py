@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from zeroshard.errors import CheckpointError
-from zeroshard.partition import ShardLayout, full_shape
+from zeroshard.partition import UNIT_ATTR, ShardLayout, full_shape
 
 SHARDED, SCALAR, NUMBER = "sharded", "scalar", "number"
 #: Param-group keys that choose an implementation rather than the math; a resume keeps the live ones.
@@ -80,7 +80,7 @@ class FrozenParam(StoredParam):
 def _global_shape(p: torch.nn.Parameter, numel: int) -> tuple[int, ...]:
     if p.numel() == numel:
         return tuple(p.shape)
-    unit = getattr(p, "_zeroshard_unit", None)  # stage 3 keeps shapes on the parameter's unit
+    unit = getattr(p, UNIT_ATTR, None)  # stage 3 keeps shapes on the parameter's unit
     if unit is not None:
         for q, shape in zip(unit.params, unit.shapes):
             if q is p:
@@ -122,7 +122,7 @@ def frozen_params(engine: Any, trained: list[TrainedParam]) -> list[FrozenParam]
             continue
         if shard is not None and p in shard.ranges:
             lo, hi = shard.ranges[p]
-            unit = p._zeroshard_unit  # type: ignore[attr-defined]
+            unit = getattr(p, UNIT_ATTR)
             layout = unit.bucket.layouts[unit.position(p)]
             out.append(FrozenParam(name, p, tuple(full_shape(p)), layout.numel, lo, hi, layout.world, owner=shard))
         else:

@@ -27,6 +27,9 @@ _T = TypeVar("_T")
 SHAPE_ATTR = "_zeroshard_shape"
 #: Attribute holding this rank's chunk of a parameter built under ``zero.Init`` until adopted.
 INIT_CHUNK_ATTR = "_zeroshard_init_chunk"
+#: Attribute naming the ZeRO-3 unit (:class:`~zeroshard.stages.param_unit.ParamUnit`) a parameter
+#: is gathered and released with.
+UNIT_ATTR = "_zeroshard_unit"
 
 
 def full_shape(p: torch.Tensor) -> torch.Size:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from zeroshard.offload import OffloadPolicy
 from zeroshard.offload.param_store import ParamShard, place_shard
 from zeroshard.offload.policy import Residency, place_of, should_pin, state_device
-from zeroshard.partition import INIT_CHUNK_ATTR, Bucket, buckets_from_groups
+from zeroshard.partition import INIT_CHUNK_ATTR, UNIT_ATTR, Bucket, buckets_from_groups
 from zeroshard.stages.param_unit import ParamUnit, UnitState
 from zeroshard.stages.units import unit_groups
 
@@ -106,7 +106,7 @@ class FrozenShard:
         return row
 
     def _where(self, p: torch.nn.Parameter) -> tuple[ParamUnit, int, int]:
-        unit: ParamUnit = p._zeroshard_unit  # type: ignore[attr-defined]
+        unit: ParamUnit = getattr(p, UNIT_ATTR)
         lo, hi = self.ranges[p]
         return unit, unit.bucket.offsets[unit.position(p)], hi - lo
 

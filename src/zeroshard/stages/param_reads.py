@@ -22,7 +22,8 @@ from typing import Any, Protocol
 
 import torch
 
-from zeroshard.stages.param_unit import UNIT_ATTR, UnitState
+from zeroshard.partition import UNIT_ATTR
+from zeroshard.stages.param_unit import UnitState
 
 
 class ReadWatcher(Protocol):

@@ -39,11 +39,8 @@ import torch.distributed as dist
 
 from zeroshard import host_memory
 from zeroshard.comm import collectives as C
-from zeroshard.partition import INIT_CHUNK_ATTR, SHAPE_ATTR, Bucket, full_shape, gather_from_rows
+from zeroshard.partition import INIT_CHUNK_ATTR, SHAPE_ATTR, UNIT_ATTR, Bucket, full_shape, gather_from_rows
 from zeroshard.stages.lent_rows import RowLender
-
-#: the attribute naming a ZeRO-3 parameter's unit
-UNIT_ATTR = "_zeroshard_unit"
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 

@@ -38,6 +38,7 @@ from zeroshard.offload import OffloadPolicy
 from zeroshard.offload.param_store import make_param_shard
 from zeroshard.offload.policy import Residency
 from zeroshard.partition import (
+    UNIT_ATTR,
     Bucket,
     buckets_from_groups,
     buffer_numel,
@@ -204,7 +205,7 @@ class Stage3Optimizer(ZeroOptimizer):
             self.frozen.write(p, p.detach().reshape(-1)[s:e])
             return
         super().write_back(p)
-        unit: ParamUnit = p._zeroshard_unit  # type: ignore[attr-defined]
+        unit: ParamUnit = getattr(p, UNIT_ATTR)
         i = unit.position(p)
         s, e = self.master.ranges[p]
         off = unit.bucket.offsets[i]
@@ -213,7 +214,7 @@ class Stage3Optimizer(ZeroOptimizer):
 
     def gather_context(self, params: list[torch.nn.Parameter]) -> tuple[Callable[[], None], Callable[[], None]]:
         """``(enter, exit)``: gather and pin the units of ``params``; unpin and release on exit."""
-        units = list(dict.fromkeys(p._zeroshard_unit for p in params))  # type: ignore[attr-defined]
+        units = list(dict.fromkeys(getattr(p, UNIT_ATTR) for p in params))
         return (lambda: self.coordinator.fetch(units, record=False)), (lambda: self.coordinator.unpin(units))
 
     def memory_breakdown(self) -> dict[str, int]:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from zeroshard.comm import collectives as C
-from zeroshard.partition.layout import full_shape
+from zeroshard.partition.layout import UNIT_ATTR, full_shape
 
 __all__ = [
     "safe_get_full_fp32_param",
@@ -124,7 +124,7 @@ def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> 
         frag.owner.store.write_master(frag.master, frag.mine(value))
         if param.numel() == frag.layout.numel:  # whole here (stages 0-2, or a gathered ZeRO-3 unit)
             param.data.copy_(value.detach().view_as(param))
-        unit = getattr(param, "_zeroshard_unit", None)
+        unit = getattr(param, UNIT_ATTR, None)
         if unit is not None:  # ZeRO-3: the compute-dtype shard gathers read
             off = unit.bucket.offsets[unit.position(param)]
             unit.write_shard(off, frag.mine(value))

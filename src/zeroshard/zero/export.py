@@ -22,7 +22,7 @@ import torch.distributed as dist
 from zeroshard.checkpoint.agree import together
 from zeroshard.checkpoint.safetensors_io import SafetensorsWriter, TensorSpec
 from zeroshard.comm import collectives as C
-from zeroshard.partition import full_shape
+from zeroshard.partition import UNIT_ATTR, full_shape
 
 logger = logging.getLogger("zeroshard")
 
@@ -46,7 +46,7 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike[str], save_filenam
     current: list[Any] = [None, None]  # (unit, exit callable) gathered now
 
     def produce(p: torch.nn.Parameter) -> torch.Tensor:  # every rank, in the same order
-        unit = getattr(p, "_zeroshard_unit", None)
+        unit = getattr(p, UNIT_ATTR, None)
         if unit is not None and unit is not current[0]:
             if current[1] is not None:
                 current[1]()

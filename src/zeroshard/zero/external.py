@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from zeroshard.partition import UNIT_ATTR
+
 __all__ = ["register_external_parameter", "unregister_external_parameter"]
 
 _ATTR = "_zeroshard_external_params"
@@ -24,7 +26,7 @@ _ATTR = "_zeroshard_external_params"
 
 def _coordinator_and_unit(param: torch.nn.Parameter) -> tuple[Any, Any]:
     owner = getattr(param, "_zeroshard_owner", None)
-    return getattr(owner, "coordinator", None), getattr(param, "_zeroshard_unit", None)
+    return getattr(owner, "coordinator", None), getattr(param, UNIT_ATTR, None)
 
 
 def _units(module: torch.nn.Module) -> list[tuple[Any, Any]]:
