@@ -112,7 +112,8 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
         at rest), ``frozen_parameter_shard`` (the chunks of parameters that are not trained) and
         ``gathered_peak`` (most gathered parameter bytes seen at once),
         ``comm_workspace`` (reused communication buffers, bounded by the bucket sizes), and
-        ``total`` (the model state: peaks and workspace excluded)."""
+        ``total`` (the model state: peaks and workspace excluded). Bytes in NVMe swap files are not held:
+        ``optimizer.memory_placement()`` lists them under ``file``."""
         params = sum(p.numel() * p.element_size() for p in self.module.parameters())
         out = {"parameters": params, **self.optimizer.memory_breakdown()}
         out["total"] = sum(v for k, v in out.items() if not k.endswith(("_peak", "_workspace")))

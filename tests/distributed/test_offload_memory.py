@@ -161,3 +161,6 @@ def test_placement_is_the_swap_files(runs: dict[str, dict[str, Any]], stage: int
     if stage == 3:  # bf16 parameter shard: one aligned region per unit (a layer: 2 * 1024 * 1025 bytes)
         assert nv["placement"]["parameter_shard"]["file"] == nv["param_file"] == LAYERS * _round_up(
             2 * WIDTH * (WIDTH + 1)), (nv["placement"], nv["param_file"])
+        # memory_usage() counts memory only: the shard's host buffers, not its swap file
+        shard = nv["placement"]["parameter_shard"]
+        assert nv["usage"]["parameter_shard"] == sum(v for k, v in shard.items() if k != "file"), (nv["usage"], shard)

@@ -51,7 +51,7 @@ from zeroshard.stages.grad_sync import MicroStepReduceScatterSync
 from zeroshard.stages.lent_rows import RowLender
 from zeroshard.stages.param_unit import ParamUnit
 from zeroshard.stages.units import unit_groups
-from zeroshard.stages.zero_optimizer import StageSpec, ZeroOptimizer
+from zeroshard.stages.zero_optimizer import StageSpec, ZeroOptimizer, in_memory_bytes
 
 logger = logging.getLogger("zeroshard")
 
@@ -221,10 +221,10 @@ class Stage3Optimizer(ZeroOptimizer):
         """Adds the at-rest parameter shard and the peak of gathered parameters."""
         out = super().memory_breakdown()
         held = self.shard.bytes_held()
-        if held:
-            out["parameter_shard"] = sum(held.values())
+        if held:  # swap-file bytes are not memory: memory_placement() lists them
+            out["parameter_shard"] = in_memory_bytes(held)
         if self.frozen is not None:
-            out["frozen_parameter_shard"] = sum(self.frozen.bytes_held().values())
+            out["frozen_parameter_shard"] = in_memory_bytes(self.frozen.bytes_held())
         out["gathered_peak"] = self.coordinator.peak_gathered_numel * self.policy.param_dtype.itemsize
         return out
 

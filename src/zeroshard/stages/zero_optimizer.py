@@ -85,7 +85,8 @@ def _copy_range(target: torch.Tensor, a: int, b: int, values: torch.Tensor) -> N
     target[a:b].copy_(values, non_blocking=True)
 
 
-def _in_memory(places: dict[str, int]) -> int:
+def in_memory_bytes(places: dict[str, int]) -> int:
+    """The bytes of a ``{place: bytes}`` placement held in memory (device or host), not in swap files."""
     return sum(v for k, v in places.items() if k != "file")
 
 
@@ -387,8 +388,8 @@ class ZeroOptimizer:
         held = self.store.bytes_held()
         return {
             "gradients": self.sync.bytes_held(),
-            "master_weights": _in_memory(held["master_weights"]),
-            "optimizer_states": _in_memory(held["optimizer_states"]),
+            "master_weights": in_memory_bytes(held["master_weights"]),
+            "optimizer_states": in_memory_bytes(held["optimizer_states"]),
             "comm_workspace": self.sync.workspace_bytes() + self.master.workspace_bytes(),
             **({"parameter_shard": self.master.pack_source.numel() * self.master.pack_source.element_size()}
                if self.master.pack_source is not self.master.flat else {}),
