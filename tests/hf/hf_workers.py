@@ -18,6 +18,7 @@ import torch
 
 STAGES = (0, 1, 2, 3)
 MICRO, GAS, STEPS, SAVE_AT, SEQ, VOCAB = 2, 2, 6, 3, 16, 128
+RESIZE_BY, RESIZE_SEED = 8, 5  # resize_token_embeddings: rows added, seed of their initialisation
 #: Trainer runs with offload (first run only, not resumed): name -> (stage, optimizer device, parameter device)
 OFFLOAD = {"stage2_offload_cpu": (2, "cpu", "none"), "stage3_offload_nvme": (3, "nvme", "nvme")}
 
@@ -185,6 +186,16 @@ def _train(engine: Any, rank: int, world: int) -> None:
             engine.step()
 
 
+def _trained_at_stage3(model: torch.nn.Module, rank: int, world: int) -> dict[str, torch.Tensor]:
+    import zeroshard
+    from zeroshard.zero import GatheredParameters
+
+    engine, *_ = zeroshard.initialize(model=model, config=parity_config(3))
+    _train(engine, rank, world)
+    with GatheredParameters(list(model.parameters())):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
 def engine_worker(rank: int, world: int, root: str) -> dict[str, Any]:
     """After the Trainer: parity of ``initialize`` on a transformers model at every stage, ZeRO-3
     ``from_pretrained`` under a live ``HfDeepSpeedConfig``, and accelerate's loop at stages 2 and 3."""
@@ -214,7 +225,21 @@ def engine_worker(rank: int, world: int, root: str) -> dict[str, Any]:
     engine.eval()
     with torch.no_grad():
         out["z3_logits"] = engine(input_ids=token_rows(2, seed=3)).logits
+
+    # resize_token_embeddings on a partitioned model, then training: transformers builds the new
+    # embedding and head whole and copies the old rows in under ``GatheredParameters([w, w'])``, the
+    # head's as ``GatheredParameters([w, None, w', None])`` (no biases)
+    model = AutoModelForCausalLM.from_pretrained(f"{root}/init")
+    torch.manual_seed(RESIZE_SEED)
+    model.resize_token_embeddings(VOCAB + RESIZE_BY, mean_resizing=False)
+    with GatheredParameters(list(model.parameters())):
+        out["resized"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out["resized_trained"] = _trained_at_stage3(model, rank, world)
     del live
+    model = AutoModelForCausalLM.from_pretrained(f"{root}/init")  # whole: ZeRO-3 is off in transformers now
+    torch.manual_seed(RESIZE_SEED)
+    model.resize_token_embeddings(VOCAB + RESIZE_BY, mean_resizing=False)
+    out["resized_whole_trained"] = _trained_at_stage3(model, rank, world)
     out["accelerate"] = accelerate_loop(rank, world, root)
     return out
 

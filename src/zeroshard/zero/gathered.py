@@ -27,7 +27,7 @@ class GatheredParameters:
     """Context manager making ``params`` whole for the block (DeepSpeed's signature).
 
     Args:
-        params: a parameter or an iterable of parameters.
+        params: a parameter or an iterable of parameters; ``None`` entries are skipped.
         modifier_rank: rank whose modifications are kept and broadcast on exit; ``None`` discards
             modifications (they are made to temporary gathered copies under ZeRO-3).
         fwd_module: accepted for DeepSpeed compatibility (external-parameter registration is not
@@ -35,9 +35,12 @@ class GatheredParameters:
         enabled: ``False`` makes the block a no-op.
     """
 
-    def __init__(self, params: torch.nn.Parameter | Iterable[torch.nn.Parameter], modifier_rank: int | None = None,
-                 fwd_module: torch.nn.Module | None = None, enabled: bool = True) -> None:
-        self.params: list[torch.nn.Parameter] = [params] if isinstance(params, torch.nn.Parameter) else list(params)
+    def __init__(self, params: torch.nn.Parameter | Iterable[torch.nn.Parameter | None] | None,
+                 modifier_rank: int | None = None, fwd_module: torch.nn.Module | None = None,
+                 enabled: bool = True) -> None:
+        given = [params] if params is None or isinstance(params, torch.nn.Parameter) else list(params)
+        # None entries: transformers passes ``[old.weight, old.bias, new.weight, new.bias]`` with no biases
+        self.params: list[torch.nn.Parameter] = [p for p in given if p is not None]
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         self._exits: list[Callable[[], None]] = []
