@@ -1,4 +1,5 @@
-"""ZeRO-3: a forward that reads another module's parameter, and evaluation in inference mode.
+"""ZeRO-3 on model code as it is written: a forward that reads another module's parameter, in-place
+ops on the tensors passed between modules, and evaluation in inference mode.
 
 Real models read parameters outside the module that owns them: a head tied by hand
 (``F.linear(h, self.embed.weight)``, nanoGPT-style code without calling the embedding), a
@@ -13,6 +14,11 @@ parameters on attribute access; so does zeroshard now.
 Evaluation under ``torch.inference_mode()`` (``generate()`` in a Hugging Face or TRL loop) made
 the units it gathered inference tensors, which the next training step could neither save for
 backward nor refill.
+
+ZeRO-3 wraps the tensors passed into and out of a module to know when its backward begins and
+ends. The wrappers were views made inside a custom autograd function, which autograd forbids to
+modify in place: ``nn.ReLU(inplace=True)`` after a layer or ``h += residual`` (torchvision's and
+Hugging Face's ResNets) failed at ZeRO-3 only.
 
 Each run: 2 gloo ranks, ZeRO-3 with every parameter partitioned, 2 steps, a state dict and an
 evaluation forward in inference mode, 2 more steps, an evaluation under ``no_grad``; gradient
@@ -109,7 +115,36 @@ class WeightNormed(nn.Module):
         return F.cross_entropy(self.head(torch.tanh(self.mid(self.embed(ids)))).reshape(-1, V), y.reshape(-1))
 
 
-MODELS = {"tied by hand": Net, "torch TransformerEncoder": Encoder, "weight_norm": WeightNormed}
+class Gate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.g = nn.Parameter(torch.linspace(0.5, 1.5, D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(0.5)  # its input, in place
+        return torch.tanh(x) * self.g
+
+
+class InPlace(nn.Module):
+    """In-place ops on what ZeRO-3 hands between modules, as ResNets write them: ``nn.ReLU(inplace=True)``
+    on a layer's output, ``h += residual`` on another's, a module scaling its input in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, D)
+        self.fc1, self.act, self.fc2 = nn.Linear(D, D), nn.ReLU(inplace=True), nn.Linear(D, D)
+        self.gate = Gate()
+        self.head = nn.Linear(D, V)
+
+    def forward(self, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        residual = self.embed(ids)
+        h = self.fc2(self.act(self.fc1(residual)))
+        h += residual
+        return F.cross_entropy(self.head(self.gate(h)).reshape(-1, V), y.reshape(-1))
+
+
+MODELS = {"tied by hand": Net, "torch TransformerEncoder": Encoder, "weight_norm": WeightNormed,
+          "in-place ops": InPlace}
 CASES = [("tied by hand", name) for name in SETTINGS] + [(kind, "nothing live") for kind in list(MODELS)[1:]]
 
 

@@ -70,7 +70,10 @@ class _CallInBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, callback: Callable[[], None], *tensors: torch.Tensor) -> Any:
         ctx.callback = callback
-        return tuple(t.view_as(t) for t in tensors)
+        # detach(), not view_as(): a view made in a custom function may not be modified in place
+        # (nn.ReLU(inplace=True) on a layer's output, `h += residual`), and autograd makes this
+        # function the outputs' grad_fn either way
+        return tuple(t.detach() for t in tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
