@@ -316,8 +316,16 @@ def test_hugging_face_llama_under_zero_init(variant: str) -> None:
         torch.testing.assert_close(r["model.norm.weight"], want["model.norm.weight"], rtol=1e-6, atol=1e-6)
 
 
+def with_buffers(model: nn.Module) -> nn.Module:
+    """BatchNorm-style running statistics (persistent, in the file) and a scratch buffer (not)."""
+    model.block.register_buffer("running_mean", torch.linspace(-1.0, 1.0, DIM))
+    model.block.register_buffer("num_batches_tracked", torch.tensor(7))
+    model.register_buffer("scratch", torch.ones(3), persistent=False)
+    return model
+
+
 def save16_worker(rank: int, world: int, out_dir: str) -> list[str]:
-    model = build()
+    model = with_buffers(build())
     cfg = {"train_batch_size": 2 * world, "bf16": {"enabled": True},
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                  "stage3_max_live_parameters": 0, "stage3_gather_16bit_weights_on_model_save": True},
@@ -333,10 +341,14 @@ def test_save_16bit_model_streams_full_weights(tmp_path) -> None:
     names = run_distributed(save16_worker, 2, str(tmp_path))
     assert names[0] == ["pytorch_model.safetensors"]
     saved = load_file(tmp_path / "pytorch_model.safetensors")
-    want = {n: p.detach().to(torch.bfloat16) for n, p in build().named_parameters()}
-    assert set(saved) == set(want)  # the tied head is stored once, as embed.weight
+    model = with_buffers(build())
+    want = {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
+    # the buffers as the bf16 module holds them (floating ones cast, as module.to(bf16) does)
+    want |= {n: b.to(torch.bfloat16) if b.is_floating_point() else b for n, b in model.state_dict().items()
+             if n.startswith("block.") and n.split(".")[-1] in ("running_mean", "num_batches_tracked")}
+    assert set(saved) == set(want)  # the tied head is stored once, as embed.weight; no scratch buffer
     for n, t in want.items():
-        assert saved[n].dtype == torch.bfloat16 and torch.equal(saved[n], t), n
+        assert saved[n].dtype == t.dtype and torch.equal(saved[n], t), n
 
 
 def load_worker(rank: int, world: int, path: str) -> dict:

@@ -3,9 +3,9 @@
 Every rank walks the parameters in the same order; under ZeRO-3 each unit is gathered once (a
 collective, so on every rank) and released before the next, and rank 0 streams each parameter to
 one safetensors file as it comes, so it holds about one unit at a time plus the write buffer, never
-the whole model. Rank 0's writing holds no collective: a failure there (a full disk) is kept until
-the walk is over, then raised on every rank. Tied parameters are written once, under their first
-name (as Hugging Face does).
+the whole model; persistent buffers follow the parameters. Rank 0's writing holds no collective: a
+failure there (a full disk) is kept until the walk is over, then raised on every rank. Tied
+parameters are written once, under their first name (as Hugging Face does).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.checkpoint.agree import together
+from zeroshard.checkpoint.collect import module_layout
 from zeroshard.checkpoint.safetensors_io import SafetensorsWriter, TensorSpec
 from zeroshard.comm import collectives as C
 from zeroshard.partition import UNIT_ATTR, full_shape
@@ -29,7 +30,8 @@ logger = logging.getLogger("zeroshard")
 
 def save_16bit_model(engine: Any, save_dir: str | os.PathLike[str], save_filename: str = "model.safetensors",
                      exclude_frozen_parameters: bool = False) -> Path:
-    """Write the module's weights in the compute dtype (fp32 when training in fp32) from rank 0.
+    """Write the module's weights in the compute dtype (fp32 when training in fp32), and its persistent
+    buffers as they are, from rank 0.
 
     Collective: call on every rank. Returns the path written (on every rank). A ``.bin`` file name
     is changed to ``.safetensors``: zeroshard never writes pickles.
@@ -41,11 +43,14 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike[str], save_filenam
         name = name.with_suffix(".safetensors")
     path = Path(save_dir) / name
     params = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad or not exclude_frozen_parameters]
-    specs = [TensorSpec(n, p.dtype, tuple(full_shape(p))) for n, p in params]
+    # persistent buffers too (BatchNorm's running statistics), as DeepSpeed writes them: a model
+    # loaded from the file without them would be re-initialised there
+    tensors = [*params, *module_layout(engine)["buffers"].items()]
+    specs = [TensorSpec(n, t.dtype, tuple(full_shape(t))) for n, t in tensors]
     owner = getattr(engine.optimizer, "gather_context", None)
     current: list[Any] = [None, None]  # (unit, exit callable) gathered now
 
-    def produce(p: torch.nn.Parameter) -> torch.Tensor:  # every rank, in the same order
+    def produce(p: torch.Tensor) -> torch.Tensor:  # every rank, in the same order
         unit = getattr(p, UNIT_ATTR, None)
         if unit is not None and unit is not current[0]:
             if current[1] is not None:
@@ -78,7 +83,7 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike[str], save_filenam
         writer: SafetensorsWriter | None = None
         try:
             writer = on_rank_0(open_file)
-            for _, p in params:
+            for _, p in tensors:
                 t = produce(p)
                 if writer is not None:
                     on_rank_0(writer.write, t)
