@@ -148,6 +148,7 @@ def initialize(
     )
     if policy.param_dtype != torch.float32:
         model.to(policy.param_dtype)
+    zero_opt.note_parameter_data()
     zero_opt.sync.scaling = _reduce_scaling(cfg, C.world_size(group))
     _bind_optimizer(zero_opt, optimizer, cfg)
     scheduler = _scheduler(lr_scheduler, zero_opt, cfg)

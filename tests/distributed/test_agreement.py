@@ -105,6 +105,22 @@ def config_worker(rank: int, world: int) -> str:
     return "no error"
 
 
+def save_dir_worker(rank: int, world: int, tmp: str) -> str:
+    model = nn.Linear(3, 3)
+    engine, *_ = zeroshard.initialize(model=model, config=config(2))
+    try:
+        engine.save_checkpoint(f"{tmp}/rank{rank}")  # a node-local path per rank
+    except DistributedError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_checkpoint_directory_per_rank(tmp_path) -> None:
+    for message in run_distributed(save_dir_worker, 2, str(tmp_path)):
+        assert "save_checkpoint tag and directory differ" in message and "same directory" in message, message
+    assert not list(tmp_path.rglob("*.safetensors")), "nothing is written"
+
+
 def test_different_configs() -> None:
     for message in run_distributed(config_worker, 2):
         assert "config entries differ" in message and "optimizer.params.lr" in message, message

@@ -152,7 +152,8 @@ def save_checkpoint(engine: Any, save_dir: str | Path, tag: str | None = None, c
     wanted = agree_on_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}", group,
                           engine.config.checkpoint.tag_validation)  # DeepSpeed's Warn/Ignore/Fail
     tag = _together(lambda: check_tag(wanted, Path(save_dir), save_latest), group, "checking the checkpoint tag")
-    C.check_same_across_ranks([tag, str(save_dir)], group, "save_checkpoint tag and directory")
+    C.check_same_across_ranks([tag, str(save_dir)], group, "save_checkpoint tag and directory",
+                              hint="Every rank must pass the same directory (one all ranks can reach) and tag.")
     if engine.micro_steps % engine.gradient_accumulation_steps():
         logger.warning("saving checkpoint %s in the middle of a gradient accumulation window: the gradients "
                        "accumulated so far are not saved", tag)
@@ -161,6 +162,7 @@ def save_checkpoint(engine: Any, save_dir: str | Path, tag: str | None = None, c
     started = time.perf_counter()
     if rank == 0:
         logger.info("saving checkpoint %s from %d ranks", root / tag, world)
+    engine.optimizer.rebind_parameters()  # a parameter whose .data user code replaced: its new values
     trained = collect.trained_params(engine)
     frozen = [] if exclude_frozen_parameters else collect.frozen_params(engine, trained)
     table = TensorTable("meta/")

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from zeroshard import host_memory
 from zeroshard.comm import collectives as C
-from zeroshard.errors import NotYetSupportedError
+from zeroshard.errors import NotYetSupportedError, ZeroshardError
 from zeroshard.offload import OffloadPolicy
 from zeroshard.offload.factory import make_state_store, optimizer_state_device
 from zeroshard.offload.policy import Residency, should_pin
@@ -133,6 +133,8 @@ class ZeroOptimizer:
         self.master.comm_device = device
         #: where master weights and optimizer state live, and the one way to read or write them
         self.store = make_state_store(self.master, self.offload, device, self.rank)
+        #: stages 0–2: the tensor each trained parameter's ``.data`` is bound to (:meth:`note_parameter_data`)
+        self._bound: dict[torch.nn.Parameter, torch.Tensor] = {}
         if self.master.swapped and spec.stage < 3:
             # The masters are in files between steps: all-gathers publish from a compute-dtype
             # copy that the store refreshes sub-group by sub-group as it steps.
@@ -263,6 +265,7 @@ class ZeroOptimizer:
 
     def step(self) -> bool:
         """Unscale, check overflow, clip and step. Returns whether the update was applied."""
+        self.rebind_parameters(keep_values=True)  # the forward and backward just ran on the replaced values
         g32 = [g if g.dtype == torch.float32 else g.float() for g in self._grad_views()]
         if self.scaler.scale != 1.0:
             torch._foreach_mul_(g32, 1.0 / self.scaler.scale)
@@ -341,8 +344,43 @@ class ZeroOptimizer:
 
         return stepped
 
+    def note_parameter_data(self) -> None:
+        """Stages 0–2: remember the tensor each trained parameter's ``.data`` is now (after the module's
+        cast to the compute dtype). The masters alias it (fp32) or each update is published into it."""
+        if self.spec.stage < 3:
+            self._bound = {p: p.data for p in self.master.views}
+
+    def _rebind(self, p: torch.nn.Parameter, keep_values: bool) -> None:
+        """User code that replaced ``p.data`` (``p.data = new`` instead of copying into it: custom
+        initialisation, ``GatheredParameters`` edits) left the masters on the old tensor, so ``p``
+        stopped training. Bind ``p`` back to it, with the new values first when ``keep_values``
+        (plain PyTorch trains from them) or not (a checkpoint was loaded after the replacement)."""
+        bound = self._bound.get(p)
+        if bound is None or (p.data_ptr() == bound.data_ptr() and p.shape == bound.shape):
+            return
+        new = p.data
+        if (new.shape, new.dtype, new.device) != (bound.shape, bound.dtype, bound.device):
+            raise ZeroshardError(
+                f"a trained parameter of shape {tuple(bound.shape)} ({bound.dtype}, {bound.device}) was given a new "
+                f".data of shape {tuple(new.shape)} ({new.dtype}, {new.device}) after initialize; its master weights "
+                "and optimizer state keep the old layout. Copy values into it instead (with torch.no_grad(): "
+                "p.copy_(new)), or change the model before initialize")
+        with torch.no_grad():
+            if keep_values:
+                bound.copy_(new)
+            p.data = bound
+            if keep_values and not self.master.aliased:
+                s, e = self.master.ranges[p]
+                self.store.write_master(self.master.views[p], bound.reshape(-1)[s:e])
+
+    def rebind_parameters(self, keep_values: bool = True) -> None:
+        """:meth:`_rebind` every trained parameter whose ``.data`` user code replaced (stages 0–2)."""
+        for p in self._bound:
+            self._rebind(p, keep_values)
+
     def publish(self) -> None:
         """Make the module's parameters reflect the (updated or loaded) master weights."""
+        self.rebind_parameters(keep_values=False)
         self.store.refresh()
         with torch.no_grad():
             if self.sharded:
@@ -353,6 +391,7 @@ class ZeroOptimizer:
 
     def write_back(self, p: torch.nn.Parameter) -> None:
         """Make the module's (full) value of ``p`` the new master value of this rank's chunk."""
+        self._rebind(p, keep_values=True)
         s, e = self.master.ranges[p]
         self.store.write_master(self.master.views[p], p.detach().reshape(-1)[s:e])
 
