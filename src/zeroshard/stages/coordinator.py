@@ -57,6 +57,12 @@ from zeroshard.stages.units import is_leaf, unit_modules
 TRIM_BYTES = 32 * 2**20
 
 
+def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` run eagerly inside a model compiled with ``torch.compile`` (a graph break around it, as DeepSpeed's
+    ZeRO-3 hooks do): it gathers and releases units through collectives, which dynamo cannot trace."""
+    return torch.compiler.disable(hook, recursive=True)
+
+
 class _CallInBackward(torch.autograd.Function):
     """Identity on some tensors; calls ``callback`` when their gradients arrive in backward.
 
@@ -144,8 +150,8 @@ class ParamCoordinator:
         # pre-hooks (prepend), which may read its parameters (``weight_norm`` computes the weight
         # from two of them in one); always_call: a forward that raises must not leave its call behind.
         for m in unit_modules(module):
-            self._handles.append(m.register_forward_pre_hook(self._pre_forward, prepend=True))
-            self._handles.append(m.register_forward_hook(self._post_forward, always_call=True))
+            self._handles.append(m.register_forward_pre_hook(_eager(self._pre_forward), prepend=True))
+            self._handles.append(m.register_forward_hook(_eager(self._post_forward), always_call=True))
         for m in self.module_units:
             self._handles.append(m.register_state_dict_pre_hook(self._pre_state_dict))
             # torch tags the hook object itself, which a bound method does not allow.
@@ -276,6 +282,7 @@ class ParamCoordinator:
         if record:
             self._prefetch()
 
+    @_eager
     def read_outside_module(self, u: ParamUnit) -> None:
         """A forward read a parameter of ``u``, which is not gathered: another module's (see
         :mod:`~zeroshard.stages.param_reads`). Gather it for the innermost module call in progress,
