@@ -37,6 +37,22 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
     ``engine.step()`` exactly as with DeepSpeed's engine.
     """
 
+    def __getattr__(self, name: str) -> Any:
+        """An attribute the engine does not have is the model's, as in DeepSpeed: scripts call
+        ``engine.gradient_checkpointing_enable()``, read ``engine.config`` of a Hugging Face model
+        (the engine's own ``config`` wins) or reach ``engine.model``."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or name.startswith("__"):
+                raise
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                raise AttributeError(f"neither the {type(self).__name__} nor its module ({type(module).__name__}) "
+                                     f"has an attribute {name!r}") from None
+
     def __init__(self, module: torch.nn.Module, optimizer: ZeroOptimizer, config: Any,
                  policy: PrecisionPolicy, lr_scheduler: Any, group: dist.ProcessGroup | None) -> None:
         super().__init__()

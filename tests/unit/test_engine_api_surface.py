@@ -165,3 +165,29 @@ def test_optimizer_attributes_scripts_read(stage: int, process_group: None) -> N
     with pytest.raises(NotYetSupportedError, match=r"optimizer\.load_state_dict.*engine\.load_checkpoint"):
         optimizer.load_state_dict({})
     engine.destroy()
+
+
+def test_unknown_attributes_are_the_models(process_group: None) -> None:
+    """As DeepSpeed's engine: what the engine lacks, the model answers (DeepSpeed-Chat calls
+    ``model.gradient_checkpointing_enable()`` and reads ``model.model`` on the engine)."""
+
+    class HFLike(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = torch.nn.Linear(4, 2)
+            self.checkpointing = False
+
+        def gradient_checkpointing_enable(self) -> None:
+            self.checkpointing = True
+
+    model = HFLike()
+    engine, *_ = zeroshard.initialize(model=model, config={
+        "train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    assert engine.model is model.model
+    engine.gradient_checkpointing_enable()
+    assert model.checkpointing
+    assert engine.config is not None and not isinstance(engine.config, torch.nn.Module)  # the engine's own wins
+    with pytest.raises(AttributeError, match=r"neither the ZeroEngine nor its module \(HFLike\) has .* 'nope'"):
+        _ = engine.nope
+    assert not hasattr(engine, "__nope__")
+    engine.destroy()

@@ -15,7 +15,8 @@ from zeroshard.errors import NotYetSupportedError
 _DATA_EFFICIENCY = "DeepSpeed's data-efficiency library (curriculum learning, random-LTD) is not supported"
 _AUTOTUNING = "autotuning is not supported"
 _COMPILE = "DeepCompile / engine.compile() is not supported; compile the model with torch.compile before initialize()"
-_OFFLOAD = "offload is not supported yet (coming with the offload issue)"
+_OFFLOAD = ("moving optimizer state and parameters to host memory between training phases is not supported; "
+            "zeroshard offloads as the config's offload_optimizer and offload_param blocks say")
 _REDUCE = ("DeepSpeed's internal gradient-reduction helpers are not exposed: zeroshard reduces gradients inside "
            "engine.backward()")
 
