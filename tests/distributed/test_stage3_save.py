@@ -186,9 +186,17 @@ def subset_worker(rank: int, world: int) -> dict:
             engine.module.state_dict()
         out["release"], out["warnings"] = str(info.value), warnings
     dist.barrier()
+    # Inside a gather every rank made, rank 0 alone may take a state dict (DeepSpeed-Chat's rank-0
+    # save): every unit stays gathered and pinned, so there is nothing to agree on.
+    for gathered in (lambda: zeroshard.zero.GatheredParameters(list(engine.module.parameters())), engine.gathered):
+        with gathered():
+            if rank == 0:
+                out.setdefault("inside", []).append({n: t.clone() for n, t in engine.module.state_dict().items()})
+        dist.barrier()
     # Nothing was left half-done: a gather on every rank works, with full values.
     state = engine.module.state_dict()
     out["after"] = all(torch.equal(state[n], t) for n, t in gathered_weights(engine).items())
+    out["inside_equal"] = [all(torch.equal(state[n], t) for n, t in sd.items()) for sd in out.get("inside", [])]
     return out
 
 
@@ -206,6 +214,7 @@ def test_gather_on_a_subset_of_ranks_fails_fast() -> None:
                                     "at step 1: rank 1 did not start it within 5 s")
     assert any("is waiting for rank(s) [1]" in w for w in r0["warnings"]), r0["warnings"]
     assert r0["after"] and r1["after"]
+    assert r0["inside_equal"] == [True, True]
 
 
 def test_arrival_timeout_setting(monkeypatch: pytest.MonkeyPatch) -> None:

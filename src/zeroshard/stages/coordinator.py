@@ -248,7 +248,10 @@ class ParamCoordinator:
         """
         units = list(units)
         if not record:
-            moved = [u for u in units if not u.persistent]
+            # A unit gathered and pinned by an enclosing explicit gather (GatheredParameters,
+            # engine.gathered(), which every rank entered) is neither gathered nor released here.
+            moved = [u for u in units if not u.persistent
+                     and not (u.state is UnitState.GATHERED and self.pinned.get(u, 0) > 0)]
             if moved:
                 u = next((u for u in moved if u.state is UnitState.SHARDED), moved[0])
                 what = (f"{u.gather_what} (an explicit gather)" if u.state is UnitState.SHARDED
