@@ -233,3 +233,38 @@ def test_arrival_timeout_setting(monkeypatch: pytest.MonkeyPatch) -> None:
         subset.arrival_timeout()
     with pytest.raises(ValueError):
         zeroshard.comm.set_arrival_timeout(0)
+
+
+# -- DeepSpeed's parameter attributes, as scripts read them ------------------------------------------
+def dschat_save_worker(rank: int, world: int) -> dict:
+    """DeepSpeed-Chat's ``save_zero_three_model``: gather what ``hasattr(p, "ds_id")`` and
+    ``p.ds_status == ZeroParamStatus.NOT_AVAILABLE`` say is partitioned, one parameter at a time."""
+    from zeroshard.zero.param_status import ZeroParamStatus as Status
+
+    cfg = config(3, stage3_param_persistence_threshold=0, stage3_max_live_parameters=0)
+    engine, *_ = zeroshard.initialize(model=make_gpt(0, width=64), config=cfg)  # built whole, then partitioned
+    train(engine, range(1), rank, world)
+    params = list(engine.module.named_parameters())
+    out: dict = {"tagged": all(hasattr(p, "ds_id") for _, p in params),
+                 "ids_unique": len({p.ds_id for _, p in params}) == len(params),
+                 "status_at_rest": sorted({p.ds_status.name for _, p in params})}
+    saved = {}
+    for name, p in params:
+        fetch = [q for q in [p] if hasattr(q, "ds_id") and q.ds_status == Status.NOT_AVAILABLE]
+        with zeroshard.zero.GatheredParameters(fetch, enabled=bool(fetch)):
+            out.setdefault("status_inside", []).append(p.ds_status.name)
+            if rank == 0:
+                saved[name] = p.data.clone()
+    out["saved"] = saved
+    out["want"] = gathered_weights(engine)
+    return out
+
+
+def test_partitioned_parameters_carry_deepspeed_attributes() -> None:
+    for rank, r in enumerate(run_distributed(dschat_save_worker, 2)):
+        assert r["tagged"] and r["ids_unique"], rank
+        assert r["status_at_rest"] == ["NOT_AVAILABLE"], r["status_at_rest"]
+        assert set(r["status_inside"]) == {"AVAILABLE"}, r["status_inside"]
+        if rank == 0:
+            assert r["saved"].keys() == r["want"].keys()
+            assert all(torch.equal(r["saved"][n], t) for n, t in r["want"].items())

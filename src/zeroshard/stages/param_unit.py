@@ -41,6 +41,8 @@ from zeroshard import host_memory
 from zeroshard.comm import collectives as C
 from zeroshard.partition import INIT_CHUNK_ATTR, SHAPE_ATTR, UNIT_ATTR, Bucket, full_shape, gather_from_rows
 from zeroshard.stages.lent_rows import RowLender
+from zeroshard.zero.init import tag_deepspeed
+from zeroshard.zero.param_status import ZeroParamStatus
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -65,6 +67,10 @@ class UnitState(enum.Enum):
     SHARDED = "sharded"
     GATHERING = "gathering"
     GATHERED = "gathered"
+
+
+_DS_STATUS = {UnitState.SHARDED: ZeroParamStatus.NOT_AVAILABLE, UnitState.GATHERING: ZeroParamStatus.INFLIGHT,
+              UnitState.GATHERED: ZeroParamStatus.AVAILABLE}
 
 
 class ParamUnit:
@@ -92,7 +98,7 @@ class ParamUnit:
         self.frozen = False
         self.name = name
         self.gather_what = f"all-gather of ZeRO-3 unit {name!r}"  # for errors; built once, not per gather
-        self.state = UnitState.SHARDED
+        self._state = UnitState.SHARDED
         self.shapes = [full_shape(p) for p in bucket.params]
         #: a unit of one parameter (a linear layer without bias, an embedding): every rank's row,
         #: end to end, is the flattened parameter and its padding, so the all-gather lands in the
@@ -116,12 +122,26 @@ class ParamUnit:
         #: (:mod:`~zeroshard.stages.lent_rows`); ``None`` where the gathered values are no copy of it
         self.lender: RowLender | None = None
 
+    @property
+    def state(self) -> UnitState:
+        """Where the unit's values are; its parameters' ``ds_status`` says the same in DeepSpeed's
+        terms (scripts gather ``p`` when ``p.ds_status == ZeroParamStatus.NOT_AVAILABLE``)."""
+        return self._state
+
+    @state.setter
+    def state(self, state: UnitState) -> None:
+        self._state = state
+        status = _DS_STATUS[state]
+        for p in self.bucket.params:
+            p.ds_status = status  # type: ignore[attr-defined]
+
     def adopt(self) -> None:
         """Take over the unit's parameters once its shard holds their values: placeholders from now
         on. The module's full tensors are the caller's: dropped, not freed under it."""
         for p, shape in zip(self.params, self.shapes):
             setattr(p, UNIT_ATTR, self)
             setattr(p, SHAPE_ATTR, shape)
+            tag_deepspeed(p, shape)  # ``hasattr(p, "ds_id")``: how scripts tell a ZeRO-3 parameter
             if hasattr(p, INIT_CHUNK_ATTR):
                 delattr(p, INIT_CHUNK_ATTR)  # a zero.Init chunk, copied into (or adopted as) the shard
         self.state = UnitState.GATHERED

@@ -107,7 +107,7 @@ class Init:
                                           requires_grad=lazy.requires_grad)
                 setattr(real, SHARD_ATTR, core.chunk)
                 setattr(real, SHAPE_ATTR, core.shape)
-                _tag_deepspeed(real, core.shape)
+                tag_deepspeed(real, core.shape)
                 converted[id(lazy.core)] = real
             module._parameters[name] = converted[id(lazy.core)]
         n = sum(int(torch.Size(getattr(p, SHAPE_ATTR)).numel()) for p in converted.values())
@@ -118,13 +118,16 @@ class Init:
 
 #: DeepSpeed's attributes of a partitioned parameter, which Hugging Face code reads (``ds_numel`` in the
 #: Trainer's parameter count, ``hasattr(p, "ds_id")`` as a ZeRO-3 test).
-_DS_ATTRS = ("ds_id", "ds_numel", "ds_shape")
+_DS_ATTRS = ("ds_id", "ds_numel", "ds_shape", "ds_status")
 #: ``ds_id`` is unique over the process, as DeepSpeed's (code keys tied weights by it): one counter for all blocks.
 _ds_ids = itertools.count()
 
 
-def _tag_deepspeed(p: torch.nn.Parameter, shape: torch.Size) -> None:
-    p.ds_id = next(_ds_ids)  # type: ignore[attr-defined]
+def tag_deepspeed(p: torch.nn.Parameter, shape: torch.Size) -> None:
+    """Give a partitioned parameter DeepSpeed's ``ds_id`` (once: it keeps the one ``zero.Init`` gave),
+    ``ds_shape`` and ``ds_numel``."""
+    if not hasattr(p, "ds_id"):
+        p.ds_id = next(_ds_ids)  # type: ignore[attr-defined]
     p.ds_shape = torch.Size(shape)  # type: ignore[attr-defined]
     p.ds_numel = int(torch.Size(shape).numel())  # type: ignore[attr-defined]
 
