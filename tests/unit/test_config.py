@@ -382,6 +382,14 @@ def test_inactive_deepspeed_feature_is_accepted() -> None:
     assert "hybrid_engine" not in to_dict(cfg)
 
 
+@pytest.mark.parametrize("value", [True, False])
+def test_memory_efficient_linear_either_way(value: bool) -> None:
+    """DeepSpeed-Chat's configs say false (leave F.linear alone); DeepSpeed's default is true (patch it
+    to re-gather the weight in backward). zeroshard does both already: neither is an error."""
+    cfg = load_config(_cfg(zero_optimization={"stage": 3, "memory_efficient_linear": value}), 1)
+    assert "memory_efficient_linear" not in to_dict(cfg)["zero_optimization"]
+
+
 def test_bad_type_names_key() -> None:
     with pytest.raises(ConfigError, match=r"zero_optimization\.stage: .*integer.*'two'") as e:
         load_config(_cfg(zero_optimization={"stage": "two"}), 1)

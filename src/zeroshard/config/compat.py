@@ -106,7 +106,10 @@ DEEPSPEED_ONLY: dict[str, Any] = {
     _Z + "load_from_fp32_weights": True,
     _Z + "legacy_stage1": False,
     _Z + "parameter_alignment": False,
-    _Z + "memory_efficient_linear": True,
+    # DeepSpeed's true patches F.linear at ZeRO-3 so that backward re-gathers the weight instead of
+    # saving it; zeroshard re-gathers it for every layer without patching anything, and false (leave
+    # F.linear alone) is what it does too (DeepSpeed-Chat's configs all say false): either value.
+    _Z + "memory_efficient_linear": ANY_VALUE,
     _Z + "pipeline_loading_checkpoint": False,
     _Z + "override_module_apply": True,
     _Z + "log_trace_cache_warnings": False,
