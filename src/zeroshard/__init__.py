@@ -20,6 +20,7 @@ from zeroshard.errors import (
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from zeroshard.accelerator import get_accelerator
     from zeroshard.comm.groups import init_distributed
     from zeroshard.engine import ZeroEngine
     from zeroshard.initialize import initialize
@@ -38,6 +39,9 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "runtime": ("zeroshard.runtime", None),
     "comm": ("zeroshard.comm", None),
     "accelerator": ("zeroshard.accelerator", None),
+    "get_accelerator": ("zeroshard.accelerator", "get_accelerator"),
+    # Mixture of Experts is outside zeroshard's scope: DeepSpeed's names, each use a clear error
+    "moe": ("zeroshard.compat.ds_moe", None),
     "DeepSpeedConfig": ("zeroshard.config.deepspeed_config", "DeepSpeedConfig"),
     "add_config_arguments": ("zeroshard.config.deepspeed_config", "add_config_arguments"),
 }
@@ -59,10 +63,12 @@ __all__ = [
     "add_config_arguments",
     "comm",
     "checkpointing",
+    "get_accelerator",
     "get_fp32_state_dict_from_zero_checkpoint",
     "init_distributed",
     "initialize",
     "load_state_dict_from_zero_checkpoint",
+    "moe",
     "runtime",
     "utils",
     "zero",

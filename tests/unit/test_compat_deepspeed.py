@@ -18,6 +18,7 @@ import pytest
 import torch
 from packaging.version import Version
 
+import zeroshard
 from zeroshard.compat import ds_misc, ds_ops
 from zeroshard.compat.deepspeed import DISTRIBUTION_VERSION
 from zeroshard.errors import ConfigError, NotYetSupportedError
@@ -124,9 +125,9 @@ def test_shadow_resolves_to_zeroshard_and_disable_restores() -> None:
         # names and modules nobody listed stay absent, as in a real package
         assert not hasattr(deepspeed.comm, "no_such_function")
         try:
-            import deepspeed.moe.layer
+            import deepspeed.pipe.engine
         except ModuleNotFoundError as exc:
-            assert "zeroshard.compat.deepspeed" in str(exc) and exc.name == "deepspeed.moe", exc
+            assert "zeroshard.compat.deepspeed" in str(exc) and exc.name == "deepspeed.pipe", exc
         else:
             raise AssertionError("an unknown deepspeed module imported")
 
@@ -266,3 +267,162 @@ def test_clone_tensors_for_torch_save() -> None:
     assert out["a"].untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
     assert out["a"].tolist() == [0.0, 1.0, 2.0] and out["b"][0].tolist() == [3.0, 4.0, 5.0]
     assert out["b"][1] == (1, "x") and out["c"] is None and isinstance(out["b"][1], tuple)
+
+
+def test_names_deepspeed_examples_import_under_the_shadow() -> None:
+    """What DeepSpeedExamples' cifar10_deepspeed.py and DeepSpeed-Chat (step 1 and dschat/utils) import
+    resolves to zeroshard's objects, and cifar10's dense path with --moe-param-group trains."""
+    _run("""
+        import zeroshard.compat.deepspeed as layer
+        layer.enable(shadow=True)
+        import torch
+        import zeroshard, zeroshard.accelerator, zeroshard.utils.zero_to_fp32 as z2f
+        from zeroshard.compat import ds_misc, ds_timer
+        from zeroshard.errors import NotYetSupportedError
+        from zeroshard.zero.param_status import ZeroParamStatus as Ours
+
+        import deepspeed
+        from deepspeed import get_accelerator  # DeepSpeed-Chat's main.py
+        assert get_accelerator is zeroshard.accelerator.get_accelerator is zeroshard.get_accelerator
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus  # dschat/utils/utils.py
+        assert ZeroParamStatus is Ours
+        # dschat/utils/module/lora.py reads it through the attribute path
+        assert deepspeed.runtime.zero.partition_parameters.ZeroParamStatus.NOT_AVAILABLE is Ours.NOT_AVAILABLE
+        from deepspeed.compression.helper import recursive_getattr, recursive_setattr
+        from deepspeed.utils.module_utils import recursive_getattr as getattr2
+        assert recursive_getattr is getattr2 is ds_misc.recursive_getattr
+        assert recursive_setattr is ds_misc.recursive_setattr
+        from deepspeed.runtime.utils import see_memory_usage
+        assert see_memory_usage is ds_misc.see_memory_usage
+        from deepspeed.utils.timer import SynchronizedWallClockTimer, ThroughputTimer
+        assert SynchronizedWallClockTimer is ds_timer.SynchronizedWallClockTimer
+        assert ThroughputTimer is ds_timer.ThroughputTimer
+        from deepspeed.utils.zero_to_fp32 import (
+            convert_zero_checkpoint_to_fp32_state_dict, get_fp32_state_dict_from_zero_checkpoint)
+        assert get_fp32_state_dict_from_zero_checkpoint is z2f.get_fp32_state_dict_from_zero_checkpoint
+        assert convert_zero_checkpoint_to_fp32_state_dict is z2f.convert_zero_checkpoint_to_fp32_state_dict
+
+        # cifar10_deepspeed.py: imported at top level, whatever the flags
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+        try:  # --moe: deepspeed.moe.layer.MoE(...)
+            deepspeed.moe.layer.MoE(hidden_size=4, expert=torch.nn.Linear(4, 4), num_experts=2)
+        except NotYetSupportedError as exc:
+            assert "deepspeed.moe.layer.MoE" in str(exc) and "Mixture of Experts" in str(exc), exc
+        else:
+            raise AssertionError("MoE was built")
+        # --moe-param-group with a dense model: create_moe_param_groups, then initialize
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        groups = split_params_into_different_moe_groups_for_optimizer(
+            {"params": [p for p in net.parameters()], "name": "parameters"})
+        assert len(groups) == 1 and groups[0]["params"] == list(net.parameters()), groups
+        engine, optimizer, _, _ = deepspeed.initialize(model=net, model_parameters=groups, config={
+            "train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}})
+        before = [p.detach().clone() for p in net.parameters()]
+        loss = engine(torch.randn(4, 4)).square().mean()
+        engine.backward(loss)
+        engine.step()
+        assert all(not torch.equal(a, p) for a, p in zip(before, net.parameters())), "no step"
+        engine.destroy()
+    """)
+
+
+def test_zero_param_status_is_deepspeeds() -> None:
+    from zeroshard.zero.param_status import ZeroParamStatus
+
+    ours = {m.name: m.value for m in ZeroParamStatus}
+    assert ours == {"AVAILABLE": 1, "NOT_AVAILABLE": 2, "INFLIGHT": 3}
+    if REAL_DEEPSPEED:  # against DeepSpeed's source, without importing it
+        import ast
+
+        spec = importlib.util.find_spec("deepspeed")
+        assert spec is not None and spec.submodule_search_locations
+        source = Path(spec.submodule_search_locations[0], "runtime", "zero", "partition_parameters.py").read_text()
+        cls = next(n for n in ast.walk(ast.parse(source))
+                   if isinstance(n, ast.ClassDef) and n.name == "ZeroParamStatus")
+        theirs = {a.targets[0].id: ast.literal_eval(a.value) for a in cls.body if isinstance(a, ast.Assign)}
+        assert ours == theirs
+
+
+def test_get_accelerator_at_top_level() -> None:
+    assert zeroshard.get_accelerator is zeroshard.accelerator.get_accelerator
+    assert "get_accelerator" in zeroshard.__all__ and "moe" in zeroshard.__all__
+
+
+def test_recursive_getattr_and_setattr() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Sequential(torch.nn.Linear(3, 3)))
+    assert ds_misc.recursive_getattr(model, "1.0") is model[1][0]
+    assert ds_misc.recursive_getattr(model, "1.0.weight") is model[1][0].weight
+    replacement = torch.nn.Linear(3, 3, bias=False)
+    ds_misc.recursive_setattr(model, "1.0", replacement)  # DeepSpeed-Chat's LoRA swap
+    assert model[1][0] is replacement and dict(model.named_modules())["1.0"] is replacement
+    ds_misc.recursive_setattr(model, "extra", torch.nn.ReLU())  # a single name: on the model itself
+    assert isinstance(model.extra, torch.nn.ReLU)
+    with pytest.raises(AttributeError):
+        ds_misc.recursive_getattr(model, "1.nope")
+
+
+def test_see_memory_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    ds_misc.see_memory_usage("quiet")  # force=False: nothing, as DeepSpeed
+    assert capsys.readouterr().out == ""
+    ds_misc.see_memory_usage("after init", force=True)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "after init" and lines[1].startswith("MA ") and "Max_CA" in lines[1], lines
+    assert lines[2].startswith("CPU Virtual Memory:  used = ") and "percent" in lines[2], lines
+
+
+def test_timers(capsys: pytest.CaptureFixture[str]) -> None:
+    import time
+    from types import SimpleNamespace
+
+    from zeroshard.compat.ds_timer import SynchronizedWallClockTimer, ThroughputTimer
+
+    timers = SynchronizedWallClockTimer()
+    timers("fwd").start()
+    time.sleep(0.02)
+    timers("fwd").stop()
+    with pytest.raises(RuntimeError, match="not started"):
+        timers("fwd").stop()
+    assert timers.get_timers().keys() == {"fwd"} and timers("fwd").elapsed(reset=False) >= 15
+    timers.log(["fwd", "absent"], normalizer=2)
+    out = capsys.readouterr().out
+    assert out.startswith("time (ms) | fwd: ") and "absent" not in out and 7.5 <= float(out.split()[-1]) < 1000, out
+    assert timers("fwd").elapsed() == 0  # log reset it
+    assert "mem_allocated" in timers.memory_usage()
+
+    lines: list[str] = []
+    tput = ThroughputTimer(SimpleNamespace(enabled=True, synchronized=True), batch_size=4, start_step=1,
+                           steps_per_output=2, logging_fn=lines.append)
+    for _ in range(3):
+        tput.start()
+        time.sleep(0.005)
+        tput.stop(global_step=True)
+    tput.update_epoch_count()
+    assert (tput.global_step_count, tput.epoch_count, tput.micro_step_count) == (3, 1, 0)
+    assert 0 < tput.avg_samples_per_sec() < 4 / 0.004  # two timed steps of >= 5 ms each
+    assert len(lines) == 1 and "global_step=2, RunningAvgSamplesPerSec=" in lines[0], lines
+
+
+def test_moe_names_without_the_layer() -> None:
+    """``import zeroshard as deepspeed``: ``deepspeed.moe`` imports, building an expert layer is a clear
+    error, and the parameter helpers answer for a dense model."""
+    import zeroshard as deepspeed
+
+    with pytest.raises(NotYetSupportedError, match=r"deepspeed\.moe\.layer\.MoE.*Mixture of Experts"):
+        deepspeed.moe.layer.MoE(hidden_size=4, expert=torch.nn.Linear(4, 4))
+    utils = deepspeed.moe.utils
+    model = torch.nn.Linear(2, 2)
+    params = list(model.parameters())
+    assert not isinstance(model, deepspeed.moe.layer.MoE) and utils.has_moe_layers(model) == (False, 0)
+    assert not any(utils.is_moe_param(p) for p in params)
+    assert utils.split_params_into_shared_and_expert_params(params) == (params, [])
+    groups = ({"params": iter(params), "name": "a", "lr": 0.1},)
+    out = utils.split_params_into_different_moe_groups_for_optimizer(groups)
+    assert out == [{"params": params, "name": "a", "lr": 0.1}] and not utils.is_moe_param_group(out[0])
+    assert utils.configure_moe_param_groups(params) == [{"params": params, "name": "dense-params"}]
+    with pytest.raises(ValueError, match="Unknown param group type"):
+        utils.split_params_into_different_moe_groups_for_optimizer(params[0])
+    expert = torch.nn.Parameter(torch.zeros(2))
+    expert.allreduce = False  # type: ignore[attr-defined]  # DeepSpeed's mark of an expert parameter
+    with pytest.raises(NotYetSupportedError, match="expert parameter"):
+        utils.split_params_into_different_moe_groups_for_optimizer({"params": [expert], "name": "e"})

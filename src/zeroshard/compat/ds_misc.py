@@ -2,17 +2,22 @@
 
 ``deepspeed.checkpoint.utils.clone_tensors_for_torch_save`` (accelerate calls it before saving a
 ZeRO-3 state dict), ``deepspeed.launcher.runner.DEEPSPEED_ENVIRONMENT_NAME`` (the file whose
-``KEY=VALUE`` lines ``zeroshard launch`` forwards to every host, as DeepSpeed's launcher does) and
-``deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES`` (accelerate compares scheduler class names with it).
+``KEY=VALUE`` lines ``zeroshard launch`` forwards to every host, as DeepSpeed's launcher does),
+``deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES`` (accelerate compares scheduler class names with it),
+``deepspeed.compression.helper.recursive_getattr``/``recursive_setattr`` (DeepSpeed-Chat's LoRA code
+replaces submodules by dotted name with them) and ``deepspeed.runtime.utils.see_memory_usage``.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from zeroshard.accelerator import get_accelerator
 from zeroshard.optim import SUPPORTED_SCHEDULERS
 
 #: DeepSpeed reads ``$DS_ENV_FILE`` once, at import; so does this module.
@@ -39,3 +44,59 @@ def clone_tensors_for_torch_save(item: Any, device: torch.device | str = "cpu") 
     if isinstance(item, dict):
         return type(item)({k: clone_tensors_for_torch_save(v, device) for k, v in item.items()})
     return item
+
+
+def recursive_getattr(model: Any, module_name: str) -> Any:
+    """The attribute at dotted path ``module_name`` under ``model`` (``"encoder.layer.0.query"``)."""
+    output = model
+    for name in module_name.split("."):
+        output = getattr(output, name)
+    return output
+
+
+def recursive_setattr(model: Any, module_name: str, module: Any) -> None:
+    """Set the attribute at dotted path ``module_name`` under ``model`` to ``module``.
+
+    Through the owner's ``__setattr__``, so a module assigned under an ``nn.Module`` is registered
+    as its child (it replaces the one of that name).
+    """
+    *path, last = module_name.split(".")
+    setattr(recursive_getattr(model, ".".join(path)) if path else model, last, module)
+
+
+_GIB = 1024**3
+
+
+def _host_memory_gib() -> tuple[float, float]:
+    """(used GiB, percent used) of the machine's memory: total less available, as ``psutil`` counts it."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    total, available = page * os.sysconf("SC_PHYS_PAGES"), page * os.sysconf("SC_AVPHYS_PAGES")
+    try:
+        with open("/proc/meminfo") as f:
+            fields = {key: int(rest.split()[0]) * 1024 for key, _, rest in (line.partition(":") for line in f)}
+        total, available = fields.get("MemTotal", total), fields.get("MemAvailable", available)
+    except (OSError, ValueError, IndexError):
+        pass
+    used = total - available
+    return used / _GIB, 100.0 * used / total if total else 0.0
+
+
+def see_memory_usage(message: str, force: bool = False) -> None:
+    """DeepSpeed's ``deepspeed.runtime.utils.see_memory_usage``: print ``message`` and memory counters.
+
+    As DeepSpeed: nothing unless ``force`` is true, and only on rank 0 when a process group exists.
+    Prints the accelerator's allocated and reserved memory (current and peak, GiB; the process's
+    resident memory on the CPU) and the machine's memory in use, then resets the peak counters.
+    """
+    if not force:
+        return
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    gc.collect()  # collect garbage first, so that freed objects are not counted (DeepSpeed does too)
+    acc = get_accelerator()
+    print(message)
+    print(f"MA {acc.memory_allocated() / _GIB:.2f} GB    Max_MA {acc.max_memory_allocated() / _GIB:.2f} GB    "
+          f"CA {acc.memory_reserved() / _GIB:.2f} GB    Max_CA {acc.max_memory_reserved() / _GIB:.2f} GB")
+    used, percent = _host_memory_gib()
+    print(f"CPU Virtual Memory:  used = {used:.2f} GB, percent = {percent:.1f}%")
+    acc.reset_peak_memory_stats()

@@ -47,6 +47,10 @@ def _ops(*names: str) -> dict[str, str]:
     return {name: f"{_OPS}:{name}" for name in names}
 
 
+def _misc(*names: str) -> dict[str, str]:
+    return {name: f"zeroshard.compat.ds_misc:{name}" for name in names}
+
+
 _SCHEDULES = {name: f"zeroshard.optim:{name}"
               for name in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")}
 _ACTIVATION_CKPT = Entry(forward=("zeroshard.checkpointing",), placeholders=frozenset(
@@ -66,10 +70,19 @@ MODULES: dict[str, Entry] = {
     "deepspeed.utils": Entry(forward=("zeroshard.utils",), placeholders=frozenset(
         {"logger", "log_dist", "is_initialized", "set_z3_leaf_modules", "safe_get_full_fp32_param",
          "safe_get_full_grad", "safe_set_full_fp32_param", "safe_get_full_optimizer_state"})),
+    "deepspeed.utils.timer": Entry(forward=("zeroshard.compat.ds_timer",)),
+    "deepspeed.utils.zero_to_fp32": Entry(forward=("zeroshard.utils.zero_to_fp32",)),
+    "deepspeed.utils.module_utils": Entry(names=_misc("recursive_getattr", "recursive_setattr")),
     "deepspeed.utils.groups": Entry(placeholders=frozenset(
         {"_get_sequence_parallel_group", "_get_sequence_parallel_world_size", "_get_sequence_parallel_rank"})),
     "deepspeed.accelerator": Entry(forward=("zeroshard.accelerator",), placeholders=frozenset({"get_accelerator"})),
     "deepspeed.checkpointing": _ACTIVATION_CKPT,
+    "deepspeed.compression": Entry(),
+    "deepspeed.compression.helper": Entry(names=_misc("recursive_getattr", "recursive_setattr")),
+    # Mixture of Experts is outside zeroshard's scope: the names import, building an expert layer raises
+    "deepspeed.moe": Entry(forward=("zeroshard.compat.ds_moe",)),
+    "deepspeed.moe.layer": Entry(forward=("zeroshard.compat.ds_moe.layer",)),
+    "deepspeed.moe.utils": Entry(forward=("zeroshard.compat.ds_moe.utils",)),
     "deepspeed.checkpoint": Entry(),
     "deepspeed.checkpoint.utils": Entry(names={
         "clone_tensors_for_torch_save": "zeroshard.compat.ds_misc:clone_tensors_for_torch_save"}),
@@ -84,6 +97,7 @@ MODULES: dict[str, Entry] = {
     "deepspeed.runtime.engine": Entry(names={"DeepSpeedEngine": _ENGINE}),
     "deepspeed.runtime.config": Entry(names={"DeepSpeedConfig": "zeroshard:DeepSpeedConfig"},
                                       placeholders=frozenset({"DeepSpeedConfig"})),
+    "deepspeed.runtime.utils": Entry(names=_misc("see_memory_usage")),
     "deepspeed.runtime.lr_schedules": Entry(names={
         **_SCHEDULES, "VALID_LR_SCHEDULES": "zeroshard.compat.ds_misc:VALID_LR_SCHEDULES"}),
     "deepspeed.runtime.activation_checkpointing": Entry(),
@@ -96,7 +110,8 @@ MODULES: dict[str, Entry] = {
     # zero.Init wraps no tensor constructor, so there is nothing for them to do until they are called.
     "deepspeed.runtime.zero.partition_parameters": Entry(
         forward=("zeroshard.zero",),
-        names={"get_accelerator": "zeroshard.accelerator:get_accelerator"},
+        names={"get_accelerator": "zeroshard.accelerator:get_accelerator",
+               "ZeroParamStatus": "zeroshard.zero.param_status:ZeroParamStatus"},
         placeholders=frozenset({"zero_wrapper_for_fp_tensor_constructor", "_orig_torch_arange",
                                 "get_accelerator", "register_external_parameter"})),
     "deepspeed.runtime.sequence_parallel": Entry(),
