@@ -60,6 +60,34 @@ def test_nproc_aliases(script: str, flag: str) -> None:
     assert argv[:2] == ["--nproc_per_node", "4"]
 
 
+@pytest.mark.parametrize("devices", [0, 1, 4])
+def test_no_process_count_starts_one_per_accelerator(script: str, devices: int, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """As ``deepspeed script.py``: every visible accelerator (torchrun alone would start one process);
+    without any, torchrun's default of one."""
+    import torch
+
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: devices)
+    argv = launch.build_torchrun_argv([script])
+    if devices:
+        assert argv[:2] == ["--nproc_per_node", str(devices)]
+        assert f"{devices} processes, one per visible accelerator" in capsys.readouterr().err
+    else:
+        assert "--nproc_per_node" not in argv
+    assert launch.build_torchrun_argv(["--num_gpus", "2", script])[:2] == ["--nproc_per_node", "2"]
+
+
+@pytest.mark.parametrize("option", ["--bind_cores_to_rank", "--bind_core_list 0-7", "--autotuning tune",
+                                    "--enable_each_rank_log logs", "--save_pid"])
+def test_deepspeed_launcher_options_zeroshard_lacks_are_named(script: str, option: str,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Both of DeepSpeed-Chat's run scripts pass --bind_cores_to_rank: named, not argparse's
+    generic "unrecognized arguments"."""
+    err = _error(capsys, [*option.split(), script])
+    name = option.split()[0]
+    assert f"argument {name}: DeepSpeed's launcher option is not supported by zeroshard launch: " in err, err
+
+
 def test_nproc_keywords_pass_through(script: str) -> None:
     argv = launch.build_torchrun_argv(["--nproc_per_node", "auto", script])
     assert argv[:2] == ["--nproc_per_node", "auto"]

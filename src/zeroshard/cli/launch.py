@@ -105,6 +105,19 @@ def _accelerator_count(parser: argparse.ArgumentParser) -> int:
     return count
 
 
+def _one_per_accelerator() -> str | None:
+    """No process count given: one per visible accelerator, as ``deepspeed script.py`` starts (torchrun
+    would start one); ``None`` on a machine without (torchrun's default, one process)."""
+    import torch
+
+    count = torch.accelerator.device_count() if hasattr(torch, "accelerator") else torch.cuda.device_count()
+    if count == 0:
+        return None
+    print(f"zeroshard launch: {count} processes, one per visible accelerator (--num_gpus N to choose)",
+          file=sys.stderr)
+    return str(count)
+
+
 def _runs_remotely(args: argparse.Namespace, hosts: dict[str, list[int]]) -> bool:
     return (len(hosts) > 1 or args.force_multi) and not args.no_ssh and args.node_rank is None
 
@@ -145,6 +158,8 @@ def _translate(parser: argparse.ArgumentParser, args: argparse.Namespace, passed
     _check_script(parser, args.script, passed)
 
     out: list[str] = []
+    if args.nproc_per_node is None:
+        args.nproc_per_node = _one_per_accelerator()
     if args.nproc_per_node is not None:
         out += ["--nproc_per_node", args.nproc_per_node]
     if args.nnodes is not None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from typing import Any
 
 from zeroshard.cli.multinode import LAUNCHERS, UNSUPPORTED_LAUNCHERS
 
@@ -177,6 +178,23 @@ def _add_deepspeed(parser: argparse.ArgumentParser) -> None:
                     help="--as-deepspeed, hiding the real DeepSpeed installed in the same environment")
 
 
+#: DeepSpeed launcher options zeroshard launch does not have: option -> why, and what to use instead
+REFUSED = {
+    "--bind_cores_to_rank": "binding each rank to CPU cores is not supported; bind them with numactl or taskset",
+    "--bind_core_list": "binding each rank to CPU cores is not supported; bind them with numactl or taskset",
+    "--autotuning": "autotuning is not supported",
+    "--enable_each_rank_log": "use torchrun's --log-dir with --redirects or --tee (passed through)",
+    "--save_pid": "the launcher's pid file is not written; torchrun's process is this command's",
+}
+
+
+class _Refused(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        parser.error(f"argument {option_string}: DeepSpeed's launcher option is not supported by zeroshard launch: "
+                     f"{REFUSED[self.option_strings[0]]}")
+
+
 def build_parser(prog: str = "zeroshard launch") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -188,6 +206,9 @@ def build_parser(prog: str = "zeroshard launch") -> argparse.ArgumentParser:
     )
     _add_placement(parser)
     _add_deepspeed(parser)
+    refused = parser.add_argument_group("DeepSpeed launcher options that are refused, naming why")
+    for option in REFUSED:
+        refused.add_argument(option, nargs="?", action=_Refused, help=argparse.SUPPRESS)
     passthrough = parser.add_argument_group("torch.distributed.run options (passed through unchanged)")
     for action in torchrun_actions():
         kwargs: dict = {
