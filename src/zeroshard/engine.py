@@ -21,6 +21,7 @@ from zeroshard.comm.watchdog import guarded
 from zeroshard.engine_api import DeepSpeedEngineAPI
 from zeroshard.monitor import MonitorMaster, Reporter
 from zeroshard.monitor.comms import CommsLogger
+from zeroshard.monitor.ds_timers import ThroughputTimer
 from zeroshard.monitor.gather_timing import time_forward_gathers
 from zeroshard.monitor.timers import WallClockTimers
 from zeroshard.precision import LossScaler, PrecisionPolicy
@@ -75,6 +76,9 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
         self._window_loss = torch.zeros((), dtype=torch.float32, device=self.device)
         self._window_count = 0
         self.timers = WallClockTimers(enabled=bool(config.wall_clock_breakdown), device=self.device)
+        #: DeepSpeed's throughput timer (``timers.throughput``), which scripts read and drive
+        #: (``update_epoch_count()``, ``avg_samples_per_sec()``); it never logs: the step log reports throughput
+        self.tput_timer = ThroughputTimer(config.timers.throughput, batch_size=self.train_batch_size())
         #: ZeRO-3's parameter coordinator (``None`` at stages 0-2)
         self._coordinator = getattr(optimizer, "coordinator", None)
         if self._coordinator is not None:  # its errors name the step
@@ -183,6 +187,7 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
             if torch.is_grad_enabled():
                 self._forwards += 1  # stages 0-2 may run forwards on some ranks only (no collectives)
         self.reporter.count_forward(args, kwargs)
+        self.tput_timer.start()  # DeepSpeed's dataloader starts it when it has one (data loading counts there)
         profiled = self.flops_profiler.forward(self.global_steps) if self.flops_profiler is not None else nullcontext()
         with self.timers("forward"), profiled:
             return self.module(*args, **kwargs)
@@ -237,6 +242,7 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
             raise RuntimeError("engine.step() inside no_sync() is illegal (as in DeepSpeed): leave the block first")
         self._step_applied = False
         boundary = self.is_gradient_accumulation_boundary()
+        self.tput_timer.stop(global_step=boundary, report_speed=False)
         if not boundary:
             self.micro_steps += 1
             return

@@ -277,7 +277,8 @@ def test_names_deepspeed_examples_import_under_the_shadow() -> None:
         layer.enable(shadow=True)
         import torch
         import zeroshard, zeroshard.accelerator, zeroshard.utils.zero_to_fp32 as z2f
-        from zeroshard.compat import ds_misc, ds_timer
+        from zeroshard.compat import ds_misc
+        from zeroshard.monitor import ds_timers as ds_timer
         from zeroshard.errors import NotYetSupportedError
         from zeroshard.zero.param_status import ZeroParamStatus as Ours
 
@@ -375,7 +376,7 @@ def test_timers(capsys: pytest.CaptureFixture[str]) -> None:
     import time
     from types import SimpleNamespace
 
-    from zeroshard.compat.ds_timer import SynchronizedWallClockTimer, ThroughputTimer
+    from zeroshard.monitor.ds_timers import SynchronizedWallClockTimer, ThroughputTimer
 
     timers = SynchronizedWallClockTimer()
     timers("fwd").start()

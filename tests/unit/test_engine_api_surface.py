@@ -191,3 +191,23 @@ def test_unknown_attributes_are_the_models(process_group: None) -> None:
         _ = engine.nope
     assert not hasattr(engine, "__nope__")
     engine.destroy()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_throughput_timer_counts_steps(enabled: bool, process_group: None) -> None:
+    """``engine.tput_timer``, DeepSpeed's throughput timer (``timers.throughput``): DeepSpeed-Chat calls
+    ``update_epoch_count()`` on it at each epoch's end."""
+    model = torch.nn.Linear(4, 2)
+    engine, *_ = zeroshard.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2, "timers": {"throughput": {
+            "enabled": enabled}}, "optimizer": {"type": "SGD", "params": {"lr": 1e-3}}})
+    timer = engine.tput_timer
+    for _ in range(4 * 2):
+        engine.backward(engine(torch.randn(3, 4)).square().mean())
+        engine.step()
+    assert (timer.global_step_count, timer.micro_step_count) == ((4, 8) if enabled else (0, 0))
+    assert timer.batch_size == engine.train_batch_size() == 6
+    assert (timer.avg_samples_per_sec() > 0) == enabled  # steps after the 2 warm-up ones were timed
+    timer.update_epoch_count()
+    assert (timer.epoch_count, timer.micro_step_count) == (1, 0)
+    engine.destroy()

@@ -70,7 +70,7 @@ MODULES: dict[str, Entry] = {
     "deepspeed.utils": Entry(forward=("zeroshard.utils",), placeholders=frozenset(
         {"logger", "log_dist", "is_initialized", "set_z3_leaf_modules", "safe_get_full_fp32_param",
          "safe_get_full_grad", "safe_set_full_fp32_param", "safe_get_full_optimizer_state"})),
-    "deepspeed.utils.timer": Entry(forward=("zeroshard.compat.ds_timer",)),
+    "deepspeed.utils.timer": Entry(forward=("zeroshard.monitor.ds_timers",)),
     "deepspeed.utils.zero_to_fp32": Entry(forward=("zeroshard.utils.zero_to_fp32",)),
     "deepspeed.utils.module_utils": Entry(names=_misc("recursive_getattr", "recursive_setattr")),
     "deepspeed.utils.groups": Entry(placeholders=frozenset(

@@ -228,6 +228,24 @@ class CommsLoggerConfig(ConfigModel):
     """Names of the collectives to profile when ``prof_all`` is False."""
 
 
+class ThroughputTimerConfig(ConfigModel):
+    """DeepSpeed's ``timers.throughput``: the engine's ``tput_timer``."""
+
+    enabled: bool = True
+    """Count samples per second over the steps (``engine.tput_timer``)."""
+
+    synchronized: bool = False
+    """Synchronise the accelerator at each start and stop of the timer. DeepSpeed's default is true;
+    zeroshard adds no device synchronisation to a step unless asked (its own step log times steps)."""
+
+
+class TimersConfig(ConfigModel):
+    """DeepSpeed's ``timers`` block."""
+
+    throughput: ThroughputTimerConfig = Field(default_factory=ThroughputTimerConfig)
+    """The throughput timer."""
+
+
 class AIOConfig(ConfigModel):
     """Asynchronous I/O settings for NVMe offload."""
 

@@ -79,7 +79,6 @@ DEEPSPEED_ONLY: dict[str, Any] = {
     "tensor_parallel": DISABLED,
     "expert_parallel": DISABLED,
     "weight_quantization": NEVER,
-    "timers": NEVER,
     "sparse_gradients": False,
     "graph_harvesting": False,
     "disable_allgather": False,

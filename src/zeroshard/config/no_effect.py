@@ -114,6 +114,8 @@ CONSUMERS: dict[str, str] = {
     "flops_profiler.output_file": "profiling/text.py",
     "flops_profiler.peak_tflops": "profiling/peaks.py",
     "comms_logger.enabled": "engine.py",
+    "timers.throughput.enabled": "monitor/ds_timers.py",
+    "timers.throughput.synchronized": "monitor/ds_timers.py",
     "comms_logger.verbose": "monitor/comms.py",
     "comms_logger.prof_all": "monitor/comms.py",
     "comms_logger.debug": "monitor/comms.py",

@@ -22,6 +22,7 @@ from zeroshard.config.blocks import (
     OptimizerConfig,
     SchedulerConfig,
     TensorBoardConfig,
+    TimersConfig,
     WandbConfig,
 )
 from zeroshard.config.fields import ConfigModel, DTypeName, Float, Int, dtype_of
@@ -133,6 +134,9 @@ class ZeroshardConfig(ConfigModel):
 
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
     """Communication logger."""
+
+    timers: TimersConfig = Field(default_factory=TimersConfig)
+    """DeepSpeed's throughput timer (``engine.tput_timer``; zeroshard's own step log reports throughput)."""
 
     aio: AIOConfig = Field(default_factory=AIOConfig)
     """Asynchronous I/O settings for NVMe offload."""

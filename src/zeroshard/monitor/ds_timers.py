@@ -2,7 +2,8 @@
 
 Scripts and libraries built on DeepSpeed (Megatron-DeepSpeed, DeepSpeed-MII, pipeline trainers)
 import these two classes to time their own code; zeroshard's engine keeps its own timers
-(:mod:`zeroshard.monitor.timers`). Same constructor arguments, methods and printed formats as
+(:mod:`zeroshard.monitor.timers`) and, as DeepSpeed's, a :class:`ThroughputTimer` as ``engine.tput_timer``
+(DeepSpeed-Chat calls ``update_epoch_count()`` on it). Same constructor arguments, methods and printed formats as
 DeepSpeed 0.19.8. On CUDA a timer records device events, so it measures the work queued between
 ``start`` and ``stop`` without synchronising there; elsewhere it reads the host clock.
 """
