@@ -241,6 +241,11 @@ def scripts(tmp_path: Path) -> dict[str, str]:
     paths = {"ds": tmp_path / "ds.py", "plain": tmp_path / "plain.py", "hf": tmp_path / "hf"}
     paths["ds"].write_text("import argparse\np = argparse.ArgumentParser()\np.add_argument('--local_rank', type=int)\n")
     paths["plain"].write_text("import os\nrank = int(os.environ['LOCAL_RANK'])\n")
+    paths["fire"] = tmp_path / "fire_script.py"  # HelloDeepSpeed's train_bert_ds.py declares it so
+    paths["fire"].write_text("import fire\ndef train(lr: float = 1e-4, local_rank: int = -1):\n    pass\n"
+                             "if __name__ == '__main__':\n    fire.Fire(train)\n")
+    paths["fire_env"] = tmp_path / "fire_env.py"  # Fire, but the rank read from the environment
+    paths["fire_env"].write_text("import fire, os\nlocal_rank = int(os.environ['LOCAL_RANK'])\nfire.Fire(print)\n")
     paths["hf"].write_text("w0 slots=2\nw1 slots=4\n")
     return {name: str(path) for name, path in paths.items()}
 
@@ -256,6 +261,8 @@ def test_local_rank_is_passed_to_scripts_that_declare_it(scripts: dict[str, str]
     assert launch.build_torchrun_argv([scripts["plain"], "--x"])[-3:] == ["--", scripts["plain"], "--x"]
     assert launch.LOCAL_RANK_ARG not in launch.build_torchrun_argv(["--no_local_rank", scripts["ds"]])
     assert launch.LOCAL_RANK_ARG not in launch.build_torchrun_argv(["-m", "pkg.train"])
+    assert launch.build_torchrun_argv([scripts["fire"]])[-2:] == [scripts["fire"], launch.LOCAL_RANK_ARG]
+    assert launch.LOCAL_RANK_ARG not in launch.build_torchrun_argv([scripts["fire_env"]])
 
 
 def test_local_rank_macro_is_torchruns() -> None:

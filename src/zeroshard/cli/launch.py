@@ -19,7 +19,8 @@ Where the job runs:
 
 ``--local_rank``: as DeepSpeed's launcher, the script gets ``--local_rank=<local rank>`` before
 its own arguments, but only when its source mentions ``--local_rank`` or ``--local-rank`` (a
-script that declares the option), so scripts that read ``LOCAL_RANK`` from the environment and
+script that declares the option) or fires a function with a ``local_rank`` parameter through
+Python Fire, so scripts that read ``LOCAL_RANK`` from the environment and
 reject unknown arguments keep working; ``--no_local_rank`` never passes it, and modules (``-m``)
 and ``--no_python`` commands never get it. The value comes from torchrun's ``${local_rank}``
 substitution in worker arguments.
@@ -54,6 +55,10 @@ __all__ = ["ATTEMPT_ENV", "DEFAULT_MASTER_PORT", "NPROC_KEYWORDS", "build_parser
 #: torchrun replaces ``${local_rank}`` in every worker argument with that worker's local rank.
 LOCAL_RANK_ARG = "--local_rank=${local_rank}"
 _DECLARES_LOCAL_RANK = re.compile(r"--local[_-]rank")
+#: a Python Fire script (HelloDeepSpeed's ``train_bert_ds.py``): every parameter of the function it
+#: fires is an option, so a ``local_rank`` parameter declares ``--local_rank``
+_FIRE = re.compile(r"^\s*(import fire|from fire import)", re.MULTILINE)
+_FIRE_LOCAL_RANK = re.compile(r"\bdef\s+\w+\s*\([^)]*\blocal_rank\b")
 
 
 def build_torchrun_argv(argv: Sequence[str], prog: str = "zeroshard launch") -> list[str]:
@@ -211,7 +216,9 @@ def _wants_local_rank(args: argparse.Namespace, passed: dict) -> bool:
         source = Path(args.script).read_text(encoding="utf-8", errors="replace")
     except OSError:
         return False
-    return _DECLARES_LOCAL_RANK.search(source) is not None
+    if _DECLARES_LOCAL_RANK.search(source) is not None:
+        return True
+    return _FIRE.search(source) is not None and _FIRE_LOCAL_RANK.search(source) is not None
 
 
 def _check_script(parser: argparse.ArgumentParser, script: str, passed: dict) -> None:
