@@ -115,6 +115,9 @@ def initialize(
         materialize_init_params(model, group, device)
     _sync_module_states(model, group)
 
+    if optimizer is not None and cfg.optimizer is not None:  # before anything is partitioned
+        raise ConfigError("an optimizer is given both in the config and to initialize(optimizer=...); "
+                          "keep one", key="optimizer")
     param_groups = _param_groups(model, optimizer, model_parameters)
     if cfg.zero_stage == 3:
         # ZeRO-3 partitions the parameters it trains and the frozen ones (requires_grad=False);
@@ -299,10 +302,21 @@ def _tensors(group: dict[str, Any], index: int) -> list[torch.Tensor]:
     return out
 
 
+class _NoOptimizer(torch.optim.Optimizer):
+    """What an engine built without any optimizer steps with. DeepSpeed builds such an engine for
+    evaluation and inference (transformers' ``Trainer.evaluate()`` before any training, at ZeRO-3
+    to partition the model); training it is an error naming the cause."""
+
+    def __init__(self, groups: list[dict[str, Any]]) -> None:
+        super().__init__(groups, {})
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        raise ConfigError("engine.step(): this engine was built without an optimizer, for evaluation or "
+                          "inference; to train, add an 'optimizer' block to the config or pass "
+                          "initialize(optimizer=...)", key="optimizer")
+
+
 def _bind_optimizer(zero_opt: ZeroOptimizer, optimizer: OptimizerArg, cfg: ZeroshardConfig) -> None:
-    if optimizer is not None and cfg.optimizer is not None:
-        raise ConfigError("an optimizer is given both in the config and to initialize(optimizer=...); "
-                          "keep one", key="optimizer")
     if isinstance(optimizer, torch.optim.Optimizer):
         zero_opt.adopt(optimizer)
     elif callable(optimizer):
@@ -311,8 +325,9 @@ def _bind_optimizer(zero_opt: ZeroOptimizer, optimizer: OptimizerArg, cfg: Zeros
         opt_cfg = cfg.optimizer
         zero_opt.bind(lambda groups: build_optimizer(opt_cfg.type, dict(opt_cfg.params), groups))
     else:
-        raise ConfigError("no optimizer: add an 'optimizer' block to the config or pass "
-                          "initialize(optimizer=...)", key="optimizer")
+        logger.info("zeroshard: no optimizer in the config or the arguments: an engine for evaluation and "
+                    "inference (engine.step() raises)")
+        zero_opt.bind(_NoOptimizer)
 
 
 def _scheduler(lr_scheduler: Any, zero_opt: ZeroOptimizer, cfg: ZeroshardConfig) -> Any:
@@ -320,6 +335,8 @@ def _scheduler(lr_scheduler: Any, zero_opt: ZeroOptimizer, cfg: ZeroshardConfig)
         raise ConfigError("a scheduler is given both in the config and to initialize(lr_scheduler=...); "
                           "keep one", key="scheduler")
     inner = zero_opt.optimizer
+    if isinstance(inner, _NoOptimizer):  # as DeepSpeed: no optimizer, no scheduler (transformers'
+        return None                      # evaluation engine keeps the config's scheduler block)
     if lr_scheduler is not None:
         return lr_scheduler(inner) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") else lr_scheduler
     if cfg.scheduler is not None:

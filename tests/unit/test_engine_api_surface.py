@@ -16,7 +16,7 @@ import torch
 import zeroshard
 from zeroshard.engine import ZeroEngine
 from zeroshard.engine_api import API_DATA, NOT_YET_SUPPORTED
-from zeroshard.errors import NotYetSupportedError
+from zeroshard.errors import ConfigError, NotYetSupportedError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -210,4 +210,33 @@ def test_throughput_timer_counts_steps(enabled: bool, process_group: None) -> No
     assert (timer.avg_samples_per_sec() > 0) == enabled  # steps after the 2 warm-up ones were timed
     timer.update_epoch_count()
     assert (timer.epoch_count, timer.micro_step_count) == (1, 0)
+    engine.destroy()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_engine_without_optimizer_evaluates(stage: int, process_group: None) -> None:
+    """transformers' ``Trainer.evaluate()`` before any training builds the engine with no optimizer
+    (its config keeps the scheduler block): DeepSpeed evaluates with it; zeroshard refused it, and at
+    ZeRO-3 left the model partitioned by the failed call."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    x = torch.randn(4, 5)
+    with torch.no_grad():
+        want = model(x)
+    with pytest.raises(ConfigError, match="given both in the config and to initialize"):
+        zeroshard.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config={
+            "train_batch_size": 2, "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    assert all(p.numel() > 0 for p in model.parameters())  # nothing was partitioned by the failed call
+    engine, optimizer, _, scheduler = zeroshard.initialize(model=model, config={
+        "train_batch_size": 2, "zero_optimization": {"stage": stage},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}})
+    assert scheduler is None and engine.lr_scheduler is None
+    engine.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(engine(x), want, rtol=0, atol=0)
+    engine.train()
+    engine.backward(engine(x).square().mean())
+    with pytest.raises(ConfigError, match=r"engine\.step\(\): this engine was built without an optimizer"):
+        engine.step()
     engine.destroy()
