@@ -114,6 +114,9 @@ CONSUMERS: dict[str, str] = {
     "flops_profiler.output_file": "profiling/text.py",
     "flops_profiler.peak_tflops": "profiling/peaks.py",
     "comms_logger.enabled": "engine.py",
+    # accelerate (so transformers' Trainer.save_model) reads it through the engine: false saves a full
+    # checkpoint instead of the 16-bit weights; zeroshard's own save_16bit_model works either way
+    _Z + "stage3_gather_16bit_weights_on_model_save": "engine_api/config_accessors.py",
     "timers.throughput.enabled": "monitor/ds_timers.py",
     "timers.throughput.synchronized": "monitor/ds_timers.py",
     "comms_logger.verbose": "monitor/comms.py",
@@ -134,8 +137,6 @@ NO_EFFECT: dict[str, str] = {
     _Z + "stage3_max_reuse_distance": "subsumed by stage3_max_live_parameters, an LRU budget (see README)",
     _Z + "stage3_model_persistence_threshold": ("only stage3_param_persistence_threshold decides which units "
                                                 "stay gathered; their total is not capped"),
-    _Z + "stage3_gather_16bit_weights_on_model_save": ("save_16bit_model always works under ZeRO-3: it streams "
-                                                       "unit by unit"),
     _Z + "elastic_checkpoint": "every checkpoint reloads at any world size and stage",
     _Z + "offload_optimizer.fast_init": ("the optimizer creates its state in its first step, sub-group by "
                                          "sub-group, straight into the swap buffers: there is no slow path"),
