@@ -155,7 +155,11 @@ def errors_worker(rank: int, world: int) -> list[tuple[str, str | None, str]]:
         model = make_model(0)
         client = torch.optim.SGD(model.parameters(), lr=0.1) if name == "both_optimizers" else None
         try:
-            zeroshard.initialize(model=model, optimizer=client, config=cfg)
+            engine, *_ = zeroshard.initialize(model=model, optimizer=client, config=cfg)
+            if name == "no_optimizer":  # an evaluation engine, as DeepSpeed's: training it is the error
+                x, y = make_data(1, 8)
+                engine.backward(engine(x[0, :4], y[0, :4]))
+                engine.step()
         except zeroshard.ConfigError as e:
             out.append((name, e.key, f"{type(e).__name__}: {e}"))
         else:
