@@ -73,3 +73,10 @@ def test_bf16_check_grad_overflow_accepts_deepspeeds_default() -> None:
         cfg = load_config({"train_batch_size": 2, "bf16": {"enabled": True, "check_grad_overflow": value}},
                           world_size=1)
         assert cfg.bf16.check_grad_overflow is value
+
+
+def test_gather_16bit_weights_on_model_save_is_not_called_without_effect() -> None:
+    """accelerate (so the Trainer's save_model) reads it through the engine: it has an effect."""
+    cfg = load_config({"train_batch_size": 2, "zero_optimization": {
+        "stage": 3, "stage3_gather_16bit_weights_on_model_save": True}}, world_size=1)
+    assert ne.no_effect_keys_set(cfg) == {}
