@@ -101,10 +101,14 @@ def _count(parser: argparse.ArgumentParser, value: str | None, option: str) -> i
     return None if value is None else int(value)
 
 
-def _accelerator_count(parser: argparse.ArgumentParser) -> int:
+def _visible_accelerators() -> int:
     import torch
 
-    count = torch.accelerator.device_count() if hasattr(torch, "accelerator") else torch.cuda.device_count()
+    return int(torch.accelerator.device_count() if hasattr(torch, "accelerator") else torch.cuda.device_count())
+
+
+def _accelerator_count(parser: argparse.ArgumentParser) -> int:
+    count = _visible_accelerators()
     if count == 0:
         parser.error("argument --include/--exclude: no --hostfile, and this machine has no accelerators to select")
     return count
@@ -113,9 +117,7 @@ def _accelerator_count(parser: argparse.ArgumentParser) -> int:
 def _one_per_accelerator() -> str | None:
     """No process count given: one per visible accelerator, as ``deepspeed script.py`` starts (torchrun
     would start one); ``None`` on a machine without (torchrun's default, one process)."""
-    import torch
-
-    count = torch.accelerator.device_count() if hasattr(torch, "accelerator") else torch.cuda.device_count()
+    count = _visible_accelerators()
     if count == 0:
         return None
     print(f"zeroshard launch: {count} processes, one per visible accelerator (--num_gpus N to choose)",

@@ -179,9 +179,10 @@ def _add_deepspeed(parser: argparse.ArgumentParser) -> None:
 
 
 #: DeepSpeed launcher options zeroshard launch does not have: option -> why, and what to use instead
+_BIND = "binding each rank to CPU cores is not supported; bind them with numactl or taskset"
 REFUSED = {
-    "--bind_cores_to_rank": "binding each rank to CPU cores is not supported; bind them with numactl or taskset",
-    "--bind_core_list": "binding each rank to CPU cores is not supported; bind them with numactl or taskset",
+    "--bind_cores_to_rank": _BIND,
+    "--bind_core_list": _BIND,
     "--autotuning": "autotuning is not supported",
     "--enable_each_rank_log": "use torchrun's --log-dir with --redirects or --tee (passed through)",
     "--save_pid": "the launcher's pid file is not written; torchrun's process is this command's",

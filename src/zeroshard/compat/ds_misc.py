@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeroshard.accelerator import get_accelerator
+from zeroshard.accelerator import CpuAccelerator, get_accelerator
 from zeroshard.optim import SUPPORTED_SCHEDULERS
 
 #: DeepSpeed reads ``$DS_ENV_FILE`` once, at import; so does this module.
@@ -68,15 +68,10 @@ _GIB = 1024**3
 
 
 def _host_memory_gib() -> tuple[float, float]:
-    """(used GiB, percent used) of the machine's memory: total less available, as ``psutil`` counts it."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    total, available = page * os.sysconf("SC_PHYS_PAGES"), page * os.sysconf("SC_AVPHYS_PAGES")
-    try:
-        with open("/proc/meminfo") as f:
-            fields = {key: int(rest.split()[0]) * 1024 for key, _, rest in (line.partition(":") for line in f)}
-        total, available = fields.get("MemTotal", total), fields.get("MemAvailable", available)
-    except (OSError, ValueError, IndexError):
-        pass
+    """(used GiB, percent used) of the machine's memory: total less available, as ``psutil`` counts it
+    (the host's figures whatever the accelerator)."""
+    host = CpuAccelerator()
+    total, available = host.total_memory(), host.available_memory()
     used = total - available
     return used / _GIB, 100.0 * used / total if total else 0.0
 
