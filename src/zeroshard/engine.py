@@ -122,7 +122,8 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
         return [float(g["lr"]) for g in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
-        """Global gradient norm (unscaled, before clipping) of the last applied step."""
+        """Global gradient norm (unscaled, before clipping) of the last step; ``inf`` when it was skipped
+        for non-finite gradients (as DeepSpeed); ``None`` before the first step."""
         return self.optimizer.global_grad_norm
 
     def memory_usage(self) -> dict[str, int]:

@@ -7,6 +7,7 @@ leave the offloaded state as it was.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,7 @@ def overflow_worker(rank: int, world: int, stage: int, offload: str | None, nvme
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
     }
     engine, _, _, _ = zeroshard.initialize(model=model, config=cfg)
-    scales, changed = [], []
+    scales, changed, norms = [], [], []
     for step in range(STEPS):
         before = gathered_weights(engine)
         for m in range(GA):
@@ -53,12 +54,13 @@ def overflow_worker(rank: int, world: int, stage: int, offload: str | None, nvme
             engine.backward(loss)
             engine.step()
         scales.append(engine.cur_scale)
+        norms.append(engine.get_global_grad_norm())
         # DeepSpeed's ZeRO optimizers name the scale in use both ways; scripts log either.
         assert engine.optimizer.cur_scale == engine.optimizer.loss_scale == engine.cur_scale
         after = gathered_weights(engine)
         changed.append(any(not torch.equal(before[n], after[n]) for n in after))
     out = {"skipped": engine.skipped_steps, "scales": torch.tensor(scales), "changed": torch.tensor(changed),
-           "params": gathered_weights(engine)}
+           "norms": torch.tensor(norms), "params": gathered_weights(engine)}
     engine.destroy()
     return out
 
@@ -77,6 +79,11 @@ def test_overflow_on_one_rank_skips_everywhere(stage: int, offload: str | None, 
         # Scale halves at the overflow (hysteresis 1) and nowhere else.
         assert r["scales"].tolist() == [1024.0, 1024.0, 512.0, 512.0, 512.0, 512.0]
         assert r["changed"].tolist() == [True, True, False, True, True, True]
+        # As DeepSpeed's ZeRO and bf16 optimizers: a skipped step reports an infinite norm (what the
+        # HF Trainer logs as grad_norm), not the last applied step's.
+        norms = r["norms"].tolist()
+        assert norms[OVERFLOW_STEP] == float("inf"), norms
+        assert all(math.isfinite(n) and n > 0 for i, n in enumerate(norms) if i != OVERFLOW_STEP), norms
         flat = torch.cat([t.reshape(-1) for t in r["params"].values()])
         # Recovered training equals plain fp16 mixed precision that never saw the overflowing batch
         # (bound as in test_parity's fp16 case: deviation / distance travelled).

@@ -11,6 +11,8 @@ A policy object is handed to the stage; the stage never branches on "fp16 or bf1
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +36,8 @@ class PrecisionPolicy:
         return torch.float32
 
     def cast_inputs(self, obj: object) -> object:
-        """Cast floating-point tensors inside ``obj`` (nested tuples/lists/dicts) to ``param_dtype``."""
+        """Cast floating-point tensors inside ``obj`` (nested tuples, lists and mappings, of any type) to
+        ``param_dtype``."""
         if not self.auto_cast or self.param_dtype == torch.float32:
             return obj
         return _cast(obj, self.param_dtype)
@@ -49,7 +52,14 @@ def _cast(obj: object, dtype: torch.dtype) -> object:
         return [_cast(o, dtype) for o in obj]
     if isinstance(obj, tuple):
         return tuple(_cast(o, dtype) for o in obj)
-    if isinstance(obj, dict):
+    if type(obj) is dict:
+        return {k: _cast(v, dtype) for k, v in obj.items()}
+    if isinstance(obj, MutableMapping):  # keeps its type: HF's BatchEncoding/BatchFeature (UserDict), OrderedDict
+        out = copy.copy(obj)
+        for k, v in obj.items():
+            out[k] = _cast(v, dtype)
+        return out
+    if isinstance(obj, Mapping):
         return {k: _cast(v, dtype) for k, v in obj.items()}
     return obj
 

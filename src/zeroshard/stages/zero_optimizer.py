@@ -275,9 +275,11 @@ class ZeroOptimizer:
         if self.overflow:
             self.sync.zero()
         self.scaler.update(self.overflow)  # fp16 at the minimum scale: raises
+        # A skipped step reports an infinite norm, as DeepSpeed's optimizers do (NaN included): logs
+        # (the HF Trainer's grad_norm) then show the skip instead of repeating the last applied norm.
+        self.global_grad_norm = math.inf if self.overflow else norm
         if self.overflow:
             return False
-        self.global_grad_norm = norm
         clip = self.spec.gradient_clipping
         if clip > 0:
             coef = clip / (norm + 1e-6)
