@@ -24,6 +24,7 @@ from zeroshard.monitor.comms import CommsLogger
 from zeroshard.monitor.ds_timers import ThroughputTimer
 from zeroshard.monitor.gather_timing import time_forward_gathers
 from zeroshard.monitor.timers import WallClockTimers
+from zeroshard.optim.no_optimizer import NoOptimizer
 from zeroshard.precision import LossScaler, PrecisionPolicy
 from zeroshard.profiling import FlopsProfiler, RunInfo
 from zeroshard.stages import ZeroOptimizer
@@ -75,6 +76,8 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
         self._backwards = 0
         self._window_loss = torch.zeros((), dtype=torch.float32, device=self.device)
         self._window_count = 0
+        self._frozen_at_initialize = [(n, p) for n, p in module.named_parameters()
+                                      if p not in optimizer.master.views and not p.requires_grad]
         self.timers = WallClockTimers(enabled=bool(config.wall_clock_breakdown), device=self.device)
         #: DeepSpeed's throughput timer (``timers.throughput``), which scripts read and drive
         #: (``update_epoch_count()``, ``avg_samples_per_sec()``); it never logs: the step log reports throughput
@@ -242,6 +245,8 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
         if self.inside_no_sync_ctxt:
             raise RuntimeError("engine.step() inside no_sync() is illegal (as in DeepSpeed): leave the block first")
         self._step_applied = False
+        if isinstance(self.optimizer.optimizer, NoOptimizer):  # with nothing trained it is never reached
+            self.optimizer.optimizer.step()
         boundary = self.is_gradient_accumulation_boundary()
         self.tput_timer.stop(global_step=boundary, report_speed=False)
         if not boundary:
@@ -253,6 +258,7 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
         self.micro_steps = (self.micro_steps // ga + 1) * ga
         self._new_window()
         self._check_unused_parameters()
+        self._check_unfrozen_parameters()
         self._log_memory("before step")
         with self.timers("step"):
             try:

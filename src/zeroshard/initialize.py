@@ -30,6 +30,7 @@ from zeroshard.errors import ConfigError, NotYetSupportedError
 from zeroshard.monitor.logs import install_default_handler
 from zeroshard.offload import OffloadPolicy
 from zeroshard.optim import build_optimizer, build_scheduler
+from zeroshard.optim.no_optimizer import NoOptimizer
 from zeroshard.partition import full_numel
 from zeroshard.precision import PrecisionPolicy, make_loss_scaler
 from zeroshard.stages import Stage3Optimizer, StageSpec, ZeroOptimizer
@@ -118,7 +119,10 @@ def initialize(
     if optimizer is not None and cfg.optimizer is not None:  # before anything is partitioned
         raise ConfigError("an optimizer is given both in the config and to initialize(optimizer=...); "
                           "keep one", key="optimizer")
-    param_groups = _param_groups(model, optimizer, model_parameters)
+    # Without any optimizer the engine is for evaluation or inference, possibly of a model frozen
+    # whole (TRL's reference model, a distillation teacher), as DeepSpeed builds it.
+    param_groups = _param_groups(model, optimizer, model_parameters,
+                                 need_trained=optimizer is not None or cfg.optimizer is not None)
     if cfg.zero_stage == 3:
         # ZeRO-3 partitions the parameters it trains and the frozen ones (requires_grad=False);
         # one outside the optimizer that requires gradients stays whole (it warns with the size).
@@ -252,9 +256,10 @@ def _sync_module_states(model: torch.nn.Module, group: dist.ProcessGroup | None)
         C.broadcast_coalesced([t.data for t in list(model.parameters()) + list(model.buffers())], src=0, group=group)
 
 
-def _param_groups(model: torch.nn.Module, optimizer: OptimizerArg,
-                  model_parameters: Iterable[Any] | None) -> list[dict[str, Any]]:
-    """Normalise the trainable parameters into torch-style param groups over the module's params."""
+def _param_groups(model: torch.nn.Module, optimizer: OptimizerArg, model_parameters: Iterable[Any] | None,
+                  need_trained: bool = True) -> list[dict[str, Any]]:
+    """Normalise the trainable parameters into torch-style param groups over the module's params
+    (none is an error when ``need_trained``)."""
     if isinstance(optimizer, torch.optim.Optimizer):
         groups = [dict(g) for g in optimizer.param_groups]
     elif model_parameters is not None:
@@ -279,7 +284,7 @@ def _param_groups(model: torch.nn.Module, optimizer: OptimizerArg,
                                   key="model_parameters")
             seen.add(id(p))
         g["params"] = params
-    if not seen:
+    if not seen and need_trained:
         raise ConfigError("no trainable parameters (none requires grad)", key="model_parameters")
     return [g for g in groups if g["params"]]
 
@@ -302,20 +307,6 @@ def _tensors(group: dict[str, Any], index: int) -> list[torch.Tensor]:
     return out
 
 
-class _NoOptimizer(torch.optim.Optimizer):
-    """What an engine built without any optimizer steps with. DeepSpeed builds such an engine for
-    evaluation and inference (transformers' ``Trainer.evaluate()`` before any training, at ZeRO-3
-    to partition the model); training it is an error naming the cause."""
-
-    def __init__(self, groups: list[dict[str, Any]]) -> None:
-        super().__init__(groups, {})
-
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        raise ConfigError("engine.step(): this engine was built without an optimizer, for evaluation or "
-                          "inference; to train, add an 'optimizer' block to the config or pass "
-                          "initialize(optimizer=...)", key="optimizer")
-
-
 def _bind_optimizer(zero_opt: ZeroOptimizer, optimizer: OptimizerArg, cfg: ZeroshardConfig) -> None:
     if isinstance(optimizer, torch.optim.Optimizer):
         zero_opt.adopt(optimizer)
@@ -327,7 +318,7 @@ def _bind_optimizer(zero_opt: ZeroOptimizer, optimizer: OptimizerArg, cfg: Zeros
     else:
         logger.info("zeroshard: no optimizer in the config or the arguments: an engine for evaluation and "
                     "inference (engine.step() raises)")
-        zero_opt.bind(_NoOptimizer)
+        zero_opt.bind(NoOptimizer)
 
 
 def _scheduler(lr_scheduler: Any, zero_opt: ZeroOptimizer, cfg: ZeroshardConfig) -> Any:
@@ -335,7 +326,7 @@ def _scheduler(lr_scheduler: Any, zero_opt: ZeroOptimizer, cfg: ZeroshardConfig)
         raise ConfigError("a scheduler is given both in the config and to initialize(lr_scheduler=...); "
                           "keep one", key="scheduler")
     inner = zero_opt.optimizer
-    if isinstance(inner, _NoOptimizer):  # as DeepSpeed: no optimizer, no scheduler (transformers'
+    if isinstance(inner, NoOptimizer):  # as DeepSpeed: no optimizer, no scheduler (transformers'
         return None                      # evaluation engine keeps the config's scheduler block)
     if lr_scheduler is not None:
         return lr_scheduler(inner) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") else lr_scheduler

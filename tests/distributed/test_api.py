@@ -180,6 +180,49 @@ def test_config_errors_name_the_key() -> None:
     assert errors["auto"][0] == "optimizer.params.lr" or "optimizer.params.lr" in errors["auto"][1]
 
 
+def reference_model_worker(rank: int, world: int, stage: int) -> dict[str, Any]:
+    """TRL's DPO/PPO set-up: a policy trained beside a reference model frozen whole
+    (``create_reference_model()``), wrapped by ``initialize`` without any optimizer, as
+    ``prepare_deepspeed`` does."""
+    x, y = make_data(3, 8)
+    ref_model = make_model(1).requires_grad_(False).eval()
+    ref, *_ = zeroshard.initialize(model=ref_model, config={"train_micro_batch_size_per_gpu": 4,
+                                                           "zero_optimization": {"stage": stage}})
+    policy = make_model(0)
+    engine, *_ = zeroshard.initialize(model=policy, config={
+        "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    ref_losses = []
+    for step in range(3):
+        xb, yb = x[step, rank * 4 : rank * 4 + 4], y[step, rank * 4 : rank * 4 + 4]
+        with torch.no_grad():
+            ref_losses.append(ref(xb, yb).item())
+        engine.backward(engine(xb, yb))
+        engine.step()
+    try:
+        ref.step()
+        step_error = None
+    except zeroshard.ConfigError as e:
+        step_error = e.key
+    return {"ref_losses": ref_losses, "step_error": step_error,
+            "ref_shard": ref.memory_usage().get("frozen_parameter_shard", 0)}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_reference_model_frozen_whole_without_optimizer(stage: int) -> None:
+    results = run_distributed(reference_model_worker, 2, stage)
+    x, y = make_data(3, 8)
+    plain = make_model(1)
+    full_bytes = sum(p.numel() * 4 for p in plain.parameters())
+    for rank, r in enumerate(results):
+        with torch.no_grad():
+            expect = [plain(x[s, rank * 4 : rank * 4 + 4], y[s, rank * 4 : rank * 4 + 4]).item() for s in range(3)]
+        assert r["ref_losses"] == pytest.approx(expect, rel=1e-6)
+        assert r["step_error"] == "optimizer"
+        if stage == 3:  # partitioned like any frozen base: about half per rank (chunks are padded)
+            assert 0.45 * full_bytes <= r["ref_shard"] <= 0.6 * full_bytes, (r["ref_shard"], full_bytes)
+
+
 def parameter_forms_worker(rank: int, world: int) -> dict[str, Any]:
     """``model_parameters`` in each form torch's optimizers take; the decay/no-decay split of
     Hugging Face scripts by name. Each trains one step at stage 3 (its groups' sizes and settings

@@ -172,5 +172,34 @@ def _keep_whole_worker(rank: int, world: int) -> list[str]:
     return [w for w in warnings if KEPT_WHOLE in w]
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_unfreezing_after_initialize_is_said(stage: int) -> None:
+    """Gradual unfreezing: a parameter frozen when initialize ran has no master weights or optimizer
+    state, so it does not train once unfrozen (as in DeepSpeed). Rank 0 says so once, naming it."""
+    said = run_distributed(_unfreeze_worker, WORLD, stage)
+    assert said[0]["moved"] is False and said[1]["moved"] is False
+    assert len(said[0]["warnings"]) == 1 and "l2.base.weight" in said[0]["warnings"][0], said[0]["warnings"]
+    assert "l1.base.weight" not in said[0]["warnings"][0]  # still frozen
+    assert not said[1]["warnings"], "rank 1 warned too"
+
+
+def _unfreeze_worker(rank: int, world: int, stage: int) -> dict[str, Any]:
+    warnings = log_lines(logging.WARNING)
+    m = build()
+    cfg = {"train_micro_batch_size_per_gpu": MB, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+           "zero_optimization": {"stage": stage}}
+    engine, *_ = zeroshard.initialize(model=m, model_parameters=m.parameters(), config=cfg)
+    x, y = data(STEPS * GA * MB * WORLD)
+    before = gathered_weights(engine)["l2.base.weight"]
+    for step in range(3):
+        if step == 1:
+            m.l2.base.weight.requires_grad_(True)
+        engine.backward(F.cross_entropy(engine(x[step * MB : (step + 1) * MB]), y[step * MB : (step + 1) * MB]))
+        engine.step()
+    moved = not torch.equal(before, gathered_weights(engine)["l2.base.weight"])
+    engine.destroy()
+    return {"moved": moved, "warnings": [w for w in warnings if "now require grad" in w]}
+
+
 def test_no_swap_files_left_behind(frozen_results: dict[str, Any]) -> None:
     assert not any(frozen_results["nvme"].iterdir()), "swap files were left behind"

@@ -644,3 +644,11 @@ def test_other_defaults_match_deepspeed(ds: Any) -> None:
     assert prof.top_modules == P.FLOPS_PROFILER_TOP_MODULES_DEFAULT
     assert prof.detailed == P.FLOPS_PROFILER_DETAILED_DEFAULT
     assert prof.output_file == P.FLOPS_PROFILER_OUTPUT_FILE_DEFAULT
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_bf16_immediate_grad_update_either_way(value: bool) -> None:
+    """DeepSpeed's BF16_Optimizer option to add each micro-step's gradients to fp32 accumulators at
+    once: what zeroshard always does (fp32 accumulation), so true is no error, and false neither."""
+    cfg = load_config(_cfg(bf16={"enabled": True, "immediate_grad_update": value}), 1)
+    assert cfg.bf16.enabled and cfg.grad_accum_dtype == torch.float32

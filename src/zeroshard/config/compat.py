@@ -128,7 +128,9 @@ DEEPSPEED_ONLY: dict[str, Any] = {
     _Z + "offload_optimizer.cpuadam_cores_perc": ANY_VALUE,
     # precision
     "fp16.fp16_master_weights_and_grads": False,
-    "bf16.immediate_grad_update": False,
+    # true: each micro-step's gradients go into fp32 accumulators at once, which is what zeroshard
+    # does (data_types.grad_accum_dtype, fp32 by default); false asks for nothing beyond that here.
+    "bf16.immediate_grad_update": ANY_VALUE,
     "bf16.bf16_master_weights_and_grads": False,
     "bf16.bf16_optimizer_states": False,
     "data_types.param_dtype": None,

@@ -45,6 +45,8 @@ class TrainingAPI:
     _step_applied: bool = False
     #: set by :meth:`set_gradient_accumulation_boundary`; ``None``: the micro-step counter decides
     _boundary_override: bool | None = None
+    #: ``(name, parameter)`` outside the optimizer and frozen when the engine was built
+    _frozen_at_initialize: list[tuple[str, torch.nn.Parameter]]
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Say by hand whether the coming backward and ``step()`` end an accumulation window (DeepSpeed's).
@@ -293,6 +295,21 @@ class TrainingAPI:
         raise ConfigError(f"{len(names)} trainable parameter(s) got no gradient on any rank in this accumulation "
                           f"window: {shown}. Use them in the forward, freeze them (requires_grad=False), or set "
                           "ignore_unused_parameters to true", key="zero_optimization.ignore_unused_parameters")
+
+    def _check_unfrozen_parameters(self) -> None:
+        """A parameter frozen when ``initialize`` ran and given ``requires_grad=True`` since (gradual
+        unfreezing) is not trained: it has no master weights and no optimizer state. DeepSpeed leaves
+        it unchanged without a word; say so once, naming it, at the first step that finds it."""
+        late = [n for n, p in self._frozen_at_initialize if p.requires_grad]
+        if not late:
+            return
+        self._frozen_at_initialize = []
+        if self.global_rank == 0:
+            shown = ", ".join(late[:5]) + (f" and {len(late) - 5} more" if len(late) > 5 else "")
+            logger.warning("zeroshard: %d parameter(s) frozen when initialize() ran now require grad (%s); they "
+                           "are not trained: the optimizer was built without them. Pass them to initialize() "
+                           "trainable (requires_grad=True, e.g. in a param group with lr 0 until they are "
+                           "unfrozen), or build the engine again", len(late), shown)
 
     def _log_memory(self, where: str) -> None:
         """``memory_breakdown: true``: log this rank's bytes at points of the step (rank 0)."""
