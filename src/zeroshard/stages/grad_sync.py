@@ -242,6 +242,18 @@ class _FullAccumulatorSync(GradSync):
         #: this rank's row of every bucket: where its averaged gradient shard ends up
         self._own = [self._rows(b)[self.row] for b in self.buckets]
 
+    def start_backward(self, boundary: bool) -> None:
+        if boundary and self.reduced:
+            # Another backward in the boundary micro-step (several losses, each with its own
+            # backward): the accumulator holds the reduced average already. Reducing it again with
+            # the new gradients added would count the earlier ones once per rank.
+            self._unreduce()
+        super().start_backward(boundary)
+
+    def _unreduce(self) -> None:
+        """Turn the reduced accumulator back into a contribution whose reduction gives it again."""
+        raise NotImplementedError
+
     def _rows(self, bucket: Bucket) -> torch.Tensor:
         a = self.layout_world * bucket.start
         return self.acc[a : a + bucket.full_numel].view(self.layout_world, bucket.numel)
@@ -287,6 +299,10 @@ class AllReduceSync(_FullAccumulatorSync):
 
         return finalize
 
+    def _unreduce(self) -> None:
+        # Every rank holds the whole average: each contributes 1/world of it.
+        self.acc.mul_(1.0 / (self.world * self._post(1.0)))
+
 
 class BoundaryReduceScatterSync(_FullAccumulatorSync):
     """Stage 1: reduce-scatter the full accumulator at the boundary; the shard is this rank's row."""
@@ -304,6 +320,15 @@ class BoundaryReduceScatterSync(_FullAccumulatorSync):
                 own.mul_(self._post(1.0))
 
         return finalize
+
+    def _unreduce(self) -> None:
+        # Only this rank's row is reduced (the collective used the others as workspace): it alone
+        # contributes that row, the others nothing.
+        for b, own in zip(self.buckets, self._own):
+            rows = self._rows(b)
+            rows[: self.row].zero_()
+            rows[self.row + 1 :].zero_()
+            own.mul_(1.0 / self._post(1.0))
 
 
 class MicroStepReduceScatterSync(GradSync):
