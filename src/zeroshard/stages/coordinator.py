@@ -125,6 +125,10 @@ class ParamCoordinator:
         #: the units of each module call in progress, innermost last: the module's own, then those
         #: of other modules' parameters its forward read (:meth:`read_outside_module`)
         self.calls: list[list[ParamUnit]] = []
+        #: units a differentiable backward (``torch.autograd.grad(..., create_graph=True)``: gradient
+        #: penalties) gathered: the graph it builds saves their parameters for the final backward,
+        #: beyond any module's hooks, so they stay gathered until the end of the pass
+        self._held_for_graph: set[ParamUnit] = set()
         self._in_backward = False
         self.peak_gathered_numel = 0
         self._handles: list[Any] = []
@@ -247,6 +251,8 @@ class ParamCoordinator:
         than a hang. It does not prefetch: it is not part of the forward trace.
         """
         units = list(units)
+        if backward and torch.is_grad_enabled():
+            self._held_for_graph.update(u for u in units if not u.persistent)
         if not record:
             # A unit gathered and pinned by an enclosing explicit gather (GatheredParameters,
             # engine.gathered(), which every rank entered) is neither gathered nor released here.
@@ -388,7 +394,7 @@ class ParamCoordinator:
         for u in list(self.live):
             if over <= 0:
                 break
-            if u in self.pinned or u is self.last_used or self._still_ahead(u):
+            if u in self.pinned or u is self.last_used or self._still_ahead(u) or u in self._held_for_graph:
                 continue
             over -= u.numel
             self.release(u)
@@ -423,14 +429,17 @@ class ParamCoordinator:
             self.release(u, free_storage=False)
 
     def unit_grads_done(self, u: ParamUnit) -> None:
-        """Backward produced all of ``u``'s gradients: its parameters are not needed again this pass."""
-        self.release(u)
+        """Backward produced all of ``u``'s gradients: its parameters are not needed again this pass
+        (unless a graph built in backward saved them)."""
+        if u not in self._held_for_graph:
+            self.release(u)
 
     def end_of_pass(self) -> None:
         """After backward: release everything not persistent, except frozen units the live budget
         holds (their values never change: gathered again each step, they cost only time, 0.7 s
         against 0.45 s per step of a LoRA fine-tune here, at the same peak); adopt the recorded
         order as the trace."""
+        self._held_for_graph.clear()
         keep: set[ParamUnit] = set()
         room = self.max_live_numel
         for u in reversed(self.live):  # the most recently used first
