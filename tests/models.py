@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -61,6 +61,27 @@ def train_reference(model: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: floa
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
     return model
+
+
+def reference_by_micro_batch(loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor], steps: int,
+                             ga: int, global_batch: int, world: int, lr: float, clip: float) -> dict[str, torch.Tensor]:
+    """Plain PyTorch for a loop that computes each micro-batch's loss its own way (``loss(model, x, y)``):
+    AdamW over :func:`make_model` ``(0)``, each rank's micro-batch of :func:`make_data` in turn, the loss
+    averaged over the window and the ranks as the engine does, global-norm clipping."""
+    model = make_model(0)
+    x, y = make_data(steps, global_batch)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    micro_bs = global_batch // (ga * world)
+    for step in range(steps):
+        opt.zero_grad()
+        for m in range(ga):
+            for r in range(world):
+                xb, yb = (micro_batch(t, step, m, r, world, micro_bs) for t in (x, y))
+                (loss(model, xb, yb) / (ga * world)).backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def train_reference_mixed(model: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float, clip: float,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from harness import run_distributed
-from models import gathered_weights, make_data, make_model, micro_batch, relative_distance
+from models import gathered_weights, make_data, make_model, micro_batch, reference_by_micro_batch, relative_distance
 
 import zeroshard
 
@@ -50,24 +50,8 @@ def worker(rank: int, world: int, name: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def reference() -> dict[str, torch.Tensor]:
-    model = make_model(0)
-    x, y = make_data(STEPS, GLOBAL_BATCH)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-    micro_bs = GLOBAL_BATCH // (GA * WORLD)
-    for step in range(STEPS):
-        opt.zero_grad()
-        for m in range(GA):
-            for r in range(WORLD):
-                xb, yb = (micro_batch(t, step, m, r, WORLD, micro_bs) for t in (x, y))
-                (penalised(model, xb, yb) / (GA * WORLD)).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
 @pytest.mark.parametrize("name", list(ZERO))
 def test_gradient_penalty_trains_as_plain_torch(name: str) -> None:
-    ref = reference()
+    ref = reference_by_micro_batch(penalised, STEPS, GA, GLOBAL_BATCH, WORLD, LR, CLIP)
     for r in run_distributed(worker, WORLD, name):
         assert relative_distance(r, ref) <= TOL, relative_distance(r, ref)

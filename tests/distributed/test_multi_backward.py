@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from harness import run_distributed
-from models import gathered_weights, make_data, make_model, micro_batch, relative_distance
+from models import gathered_weights, make_data, make_model, micro_batch, reference_by_micro_batch, relative_distance
 
 import zeroshard
 
@@ -49,20 +49,8 @@ def worker(rank: int, world: int, zero: dict, nvme: str) -> dict[str, torch.Tens
     return out
 
 
-def reference() -> dict[str, torch.Tensor]:
-    model = make_model(0)
-    x, y = make_data(STEPS, GLOBAL_BATCH)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-    micro_bs = GLOBAL_BATCH // (GA * WORLD)
-    for step in range(STEPS):
-        opt.zero_grad()
-        for m in range(GA):
-            for r in range(WORLD):
-                xb, yb = (micro_batch(t, step, m, r, WORLD, micro_bs) for t in (x, y))
-                ((model(xb, yb) + model(xb, _labels(yb))) / (GA * WORLD)).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+def _two_tasks(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return model(x, y) + model(x, _labels(y))
 
 
 @pytest.mark.parametrize("zero", [
@@ -71,6 +59,6 @@ def reference() -> dict[str, torch.Tensor]:
 ], ids=["stage0", "stage1", "stage2", "stage3", "stage1-cpu-offload"])
 def test_two_backward_calls_per_micro_step(zero: dict, tmp_path: Path) -> None:
     results = run_distributed(worker, WORLD, zero, str(tmp_path))
-    ref = reference()
+    ref = reference_by_micro_batch(_two_tasks, STEPS, GA, GLOBAL_BATCH, WORLD, LR, CLIP)
     for r in results:
         assert relative_distance(r, ref) <= TOL, relative_distance(r, ref)
