@@ -257,6 +257,7 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
         ga = self.gradient_accumulation_steps()
         self.micro_steps = (self.micro_steps // ga + 1) * ga
         self._new_window()
+        self._check_stray_gradients()
         self._check_unused_parameters()
         self._check_unfrozen_parameters()
         self._log_memory("before step")
@@ -304,8 +305,11 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
             logger.warning("%s (set non_finite_gradients: raise to stop instead)", text)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget accumulated gradients (the engine already does after every step)."""
+        """Forget accumulated gradients (the engine already does after every step), and any ``.grad``
+        a backward outside ``engine.backward`` left on the trained parameters (as DeepSpeed's)."""
         self.optimizer.zero_grad()
+        for p in self.optimizer.sync.stray_grads():
+            p.grad = None
 
     def _report(self, applied: bool) -> None:
         """After each optimizer step: its mean loss (on the device) and numbers go to the reporter,

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from zeroshard.comm import collectives as C
 from zeroshard.config.schema import ZeroshardConfig
-from zeroshard.errors import ConfigError, NotYetSupportedError
+from zeroshard.errors import ConfigError, NotYetSupportedError, ZeroshardError
 
 logger = logging.getLogger("zeroshard")
 
@@ -295,6 +295,22 @@ class TrainingAPI:
         raise ConfigError(f"{len(names)} trainable parameter(s) got no gradient on any rank in this accumulation "
                           f"window: {shown}. Use them in the forward, freeze them (requires_grad=False), or set "
                           "ignore_unused_parameters to true", key="zero_optimization.ignore_unused_parameters")
+
+    def _check_stray_gradients(self) -> None:
+        """A trained parameter still holding a ``.grad`` at the step: a backward outside
+        ``engine.backward`` (``loss.backward()`` called directly, or a backward for another purpose
+        that nothing cleared). Stepping without it would drop what the script may mean to train on,
+        adding it would train on what it may mean to discard: an error naming the parameter."""
+        stray = set(self.optimizer.sync.stray_grads())
+        if not stray:
+            return
+        names = [n for n, p in self.module.named_parameters() if p in stray]
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise ZeroshardError(f"engine.step(): {len(names)} trained parameter(s) hold a .grad that no "
+                             f"engine.backward() took ({shown}): a backward ran outside engine.backward(). Train "
+                             "with engine.backward(loss) (it scales, accumulates and reduces the gradients), and "
+                             "clear the gradients of backward passes made for other purposes (an input gradient, "
+                             "another model's loss through this one) with module.zero_grad() or engine.zero_grad()")
 
     def _check_unfrozen_parameters(self) -> None:
         """A parameter frozen when ``initialize`` ran and given ``requires_grad=True`` since (gradual

@@ -87,6 +87,12 @@ class GradSync:
         self._launched: set[int] = set()
         self._next_launch = 0
         self.boundary = True
+        #: inside ``engine.backward``: only then do gradients go to the buckets. Another backward
+        #: through the model (a plain ``loss.backward()`` for an input gradient, another engine's
+        #: backward through this model: a GAN's generator loss) leaves ``.grad`` where autograd put
+        #: it, as plain PyTorch, for the script to clear (``module.zero_grad()``) or to be added to
+        #: the next ``engine.backward``'s (the step refuses any left over: :meth:`stray_grads`).
+        self.active = False
         #: whether a boundary backward reduced the gradients of this window
         self.reduced = False
         #: ``(pre, post)``: gradients are multiplied by ``pre`` before the reduction and by ``post``
@@ -100,6 +106,7 @@ class GradSync:
     def start_backward(self, boundary: bool) -> None:
         """Called before ``loss.backward()``: whether this micro-step ends the accumulation window."""
         self.boundary = boundary
+        self.active = True
         self._next_launch = 0
         self._launched.clear()
         for b in self.buckets:
@@ -108,7 +115,7 @@ class GradSync:
     def _on_grad(self, p: torch.Tensor) -> None:
         bucket, i = self._where[p]  # type: ignore[index]
         grad = p.grad
-        if grad is None:
+        if grad is None or not self.active:
             return
         k = self._index[p]  # type: ignore[index]
         self._write(bucket, i, grad.detach().reshape(-1), first_in_window=k not in self._seen)
@@ -136,6 +143,11 @@ class GradSync:
         while self._pending:
             self._complete_oldest()
         self.reduced = self.reduced or self.boundary
+        self.active = False
+
+    def stray_grads(self) -> list[torch.nn.Parameter]:
+        """Trained parameters holding a ``.grad`` that no ``engine.backward`` took (see :attr:`active`)."""
+        return [p for p in self._params if p.grad is not None]
 
     def _complete_oldest(self) -> None:
         _bucket, finalize = self._pending.pop(0)
