@@ -116,9 +116,7 @@ def initialize(
         materialize_init_params(model, group, device)
     _sync_module_states(model, group)
 
-    if optimizer is not None and cfg.optimizer is not None:  # before anything is partitioned
-        raise ConfigError("an optimizer is given both in the config and to initialize(optimizer=...); "
-                          "keep one", key="optimizer")
+    cfg = _client_overrides(cfg, optimizer, lr_scheduler, group)
     # Without any optimizer the engine is for evaluation or inference, possibly of a model frozen
     # whole (TRL's reference model, a distillation teacher), as DeepSpeed builds it.
     param_groups = _param_groups(model, optimizer, model_parameters,
@@ -321,10 +319,21 @@ def _bind_optimizer(zero_opt: ZeroOptimizer, optimizer: OptimizerArg, cfg: Zeros
         zero_opt.bind(NoOptimizer)
 
 
+def _client_overrides(cfg: ZeroshardConfig, optimizer: OptimizerArg, lr_scheduler: Any,
+                      group: dist.ProcessGroup | None) -> ZeroshardConfig:
+    """An optimizer or scheduler passed to ``initialize`` is used, and the config's block of the same
+    kind dropped, as DeepSpeed does (its GAN example passes both); rank 0 says which block is unused."""
+    unused = [key for key, client in (("optimizer", optimizer), ("scheduler", lr_scheduler))
+              if client is not None and getattr(cfg, key) is not None]
+    for key in unused:
+        if C.rank(group) == 0:
+            logger.warning("zeroshard: the config's %r block (type %s) is not used: initialize(%s=...) was given, "
+                           "and it is the one used, as in DeepSpeed", key, getattr(cfg, key).type,
+                           "lr_scheduler" if key == "scheduler" else key)
+    return cfg.model_copy(update=dict.fromkeys(unused)) if unused else cfg
+
+
 def _scheduler(lr_scheduler: Any, zero_opt: ZeroOptimizer, cfg: ZeroshardConfig) -> Any:
-    if lr_scheduler is not None and cfg.scheduler is not None:
-        raise ConfigError("a scheduler is given both in the config and to initialize(lr_scheduler=...); "
-                          "keep one", key="scheduler")
     inner = zero_opt.optimizer
     if isinstance(inner, NoOptimizer):  # as DeepSpeed: no optimizer, no scheduler (transformers'
         return None                      # evaluation engine keeps the config's scheduler block)

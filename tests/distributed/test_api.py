@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import run_distributed
+from harness import log_lines, run_distributed
 from models import make_data, make_model
 
 import zeroshard
@@ -147,15 +148,13 @@ def errors_worker(rank: int, world: int) -> list[tuple[str, str | None, str]]:
                                                                                               "ratio": 0.5}}},
         "feature": {"train_batch_size": 8, "pipeline": {"stages": 2}},
         "no_optimizer": {"train_batch_size": 8},
-        "both_optimizers": {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1}}},
         "auto": {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}},
     }
     out = []
     for name, cfg in cases.items():
         model = make_model(0)
-        client = torch.optim.SGD(model.parameters(), lr=0.1) if name == "both_optimizers" else None
         try:
-            engine, *_ = zeroshard.initialize(model=model, optimizer=client, config=cfg)
+            engine, *_ = zeroshard.initialize(model=model, config=cfg)
             if name == "no_optimizer":  # an evaluation engine, as DeepSpeed's: training it is the error
                 x, y = make_data(1, 8)
                 engine.backward(engine(x[0, :4], y[0, :4]))
@@ -176,7 +175,6 @@ def test_config_errors_name_the_key() -> None:
     assert "NotYetSupportedError" in errors["offload"][1]
     assert "pipeline" in errors["feature"][1]
     assert errors["no_optimizer"][0] == "optimizer"
-    assert errors["both_optimizers"][0] == "optimizer"
     assert errors["auto"][0] == "optimizer.params.lr" or "optimizer.params.lr" in errors["auto"][1]
 
 
@@ -221,6 +219,37 @@ def test_reference_model_frozen_whole_without_optimizer(stage: int) -> None:
         assert r["step_error"] == "optimizer"
         if stage == 3:  # partitioned like any frozen base: about half per rank (chunks are padded)
             assert 0.45 * full_bytes <= r["ref_shard"] <= 0.6 * full_bytes, (r["ref_shard"], full_bytes)
+
+
+def client_wins_worker(rank: int, world: int) -> dict[str, Any]:
+    """DeepSpeedExamples' GAN script: an optimizer block in the config and a client optimizer (and
+    scheduler) passed too. DeepSpeed uses the client's; so does zeroshard, saying so."""
+    warnings = log_lines(logging.WARNING)
+    model = make_model(0)
+    client = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1.0}},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}}
+    engine, opt, _, sched = zeroshard.initialize(
+        model=model, optimizer=client, config=cfg,
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5))
+    x, y = make_data(1, 8)
+    engine.backward(engine(x[0, rank * 4 : rank * 4 + 4], y[0, rank * 4 : rank * 4 + 4]))
+    engine.step()
+    return {"inner": type(opt.optimizer).__name__, "name": engine.optimizer_name(), "lr": engine.get_lr(),
+            "scheduler": type(sched).__name__, "scheduler_name": engine.scheduler_name(),
+            "warnings": [w for w in warnings if "is not used" in w]}
+
+
+def test_client_optimizer_and_scheduler_win_over_the_config_blocks() -> None:
+    results = run_distributed(client_wins_worker, 2)
+    for rank, r in enumerate(results):
+        assert r["inner"] == "SGD" and r["name"] == "SGD" and r["scheduler"] == "StepLR", r
+        assert r["scheduler_name"] is None and r["lr"] == [pytest.approx(0.05)], r
+        said = r["warnings"]
+        if rank == 0:
+            assert len(said) == 2 and "'optimizer'" in said[0] and "AdamW" in said[0] and "WarmupLR" in said[1], said
+        else:
+            assert not said, said
 
 
 def parameter_forms_worker(rank: int, world: int) -> dict[str, Any]:

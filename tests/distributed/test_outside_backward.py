@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from harness import run_distributed
 from models import gathered_weights, make_data, make_model, relative_distance
 
