@@ -18,7 +18,7 @@ from zeroshard.config import (
     resolve_batch_sizes,
     to_dict,
 )
-from zeroshard.config.compat import ALIASES, DEEPSPEED_ONLY
+from zeroshard.config.compat import ALIASES, DEEPSPEED_ONLY, DEPRECATED_OFFLOAD
 from zeroshard.config.validation import _kind_of
 from zeroshard.errors import ConfigError, NotYetSupportedError
 
@@ -580,7 +580,7 @@ def _covered(prefix: str, ours: type[BaseModel], theirs: BaseModel) -> None:
     """Every DeepSpeed key of a block is in our schema, an alias, or declared DeepSpeed-only."""
     for key in theirs.model_dump(by_alias=True):
         path = prefix + key
-        assert key in ours.model_fields or path in ALIASES or path in DEEPSPEED_ONLY, path
+        assert key in ours.model_fields or path in ALIASES or path in DEEPSPEED_ONLY or path in DEPRECATED_OFFLOAD, path
 
 
 def test_block_defaults_match_deepspeed(ds: Any) -> None:
@@ -652,3 +652,24 @@ def test_bf16_immediate_grad_update_either_way(value: bool) -> None:
     once: what zeroshard always does (fp32 accumulation), so true is no error, and false neither."""
     cfg = load_config(_cfg(bf16={"enabled": True, "immediate_grad_update": value}), 1)
     assert cfg.bf16.enabled and cfg.grad_accum_dtype == torch.float32
+
+
+def test_deprecated_cpu_offload_switches_read_as_their_blocks(caplog: pytest.LogCaptureFixture) -> None:
+    """DeepSpeed still reads ``cpu_offload: true`` as ``offload_optimizer: {device: cpu}`` (and
+    ``cpu_offload_param`` as ``offload_param``); older configs and tutorials have them."""
+    with caplog.at_level(logging.WARNING, logger="zeroshard"):
+        cfg = load_config(_cfg(zero_optimization={"stage": 3, "cpu_offload": True, "cpu_offload_param": True,
+                                                  "cpu_offload_use_pin_memory": False}), 1)
+    z = cfg.zero_optimization
+    assert z.offload_optimizer.device == "cpu" and z.offload_param.device == "cpu"
+    assert z.offload_optimizer.pin_memory is False and z.offload_param.pin_memory is False
+    assert "zero_optimization.cpu_offload: true" in caplog.text and "offload_optimizer" in caplog.text
+    off = load_config(_cfg(zero_optimization={"stage": 2, "cpu_offload": False}), 1).zero_optimization
+    assert off.offload_optimizer is None or off.offload_optimizer.device == "none"
+    with pytest.raises(ConfigError) as both:
+        load_config(_cfg(zero_optimization={"stage": 2, "cpu_offload": True,
+                                            "offload_optimizer": {"device": "cpu"}}), 1)
+    assert both.value.key == "zero_optimization.offload_optimizer"
+    with pytest.raises(ConfigError) as bad:
+        load_config(_cfg(zero_optimization={"stage": 2, "cpu_offload": "yes"}), 1)
+    assert bad.value.key == "zero_optimization.cpu_offload"

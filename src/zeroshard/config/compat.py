@@ -17,8 +17,10 @@ __all__ = [
     "ALIASES",
     "ANY_VALUE",
     "DEEPSPEED_ONLY",
+    "DEPRECATED_OFFLOAD",
     "DISABLED",
     "NEVER",
+    "convert_deprecated_offload",
     "normalize_aliases",
     "normalize_path",
     "reject_deepspeed_only",
@@ -118,9 +120,6 @@ DEEPSPEED_ONLY: dict[str, Any] = {
     _Z + "stage3_module_granularity_threshold": 0,
     _Z + "stage3_use_all_reduce_for_fetch_params": False,
     _Z + "stage3_allgather_sequential": False,
-    _Z + "cpu_offload": None,
-    _Z + "cpu_offload_param": None,
-    _Z + "cpu_offload_use_pin_memory": None,
     # NVMe swapping is always pipelined (read ahead, write behind): either value describes it.
     _Z + "offload_optimizer.pipeline_read": ANY_VALUE,
     _Z + "offload_optimizer.pipeline_write": ANY_VALUE,
@@ -170,6 +169,46 @@ def _parent(raw: dict[str, Any], parts: list[str]) -> dict[str, Any] | None:
     for part in parts:
         node = node.get(part) if isinstance(node, dict) else None
     return node if isinstance(node, dict) else None
+
+
+DEPRECATED_OFFLOAD: dict[str, str] = {
+    _Z + "cpu_offload": _Z + "offload_optimizer",
+    _Z + "cpu_offload_param": _Z + "offload_param",
+    _Z + "cpu_offload_use_pin_memory": _Z + "offload_optimizer.pin_memory",
+}
+"""DeepSpeed's deprecated offload switches, which it still reads as the blocks that replaced them."""
+
+
+def convert_deprecated_offload(raw: dict[str, Any]) -> None:
+    """Turn ``cpu_offload: true`` / ``cpu_offload_param: true`` into the ``offload_optimizer`` /
+    ``offload_param`` blocks with ``device: cpu``, as DeepSpeed does (in place), with
+    ``cpu_offload_use_pin_memory`` as their ``pin_memory``; false or null drop out.
+
+    Raises:
+        ConfigError: a value that is not a bool, or a switch beside the block that replaced it.
+    """
+    zero = raw.get("zero_optimization")
+    if not isinstance(zero, dict):
+        return
+    switches = {}
+    for path in DEPRECATED_OFFLOAD:
+        key = path.rsplit(".", 1)[-1]
+        if key in zero:
+            value = zero.pop(key)
+            if value is not None and not isinstance(value, bool):
+                raise ConfigError(f"must be true or false, got {value!r}", key=path)
+            switches[key] = value
+    pin = switches.pop("cpu_offload_use_pin_memory", None)
+    for key, on in switches.items():
+        block = DEPRECATED_OFFLOAD[_Z + key].rsplit(".", 1)[-1]
+        if not on:
+            continue
+        if zero.get(block) is not None:
+            raise ConfigError(f"'{_Z}{key}' is DeepSpeed's deprecated spelling of '{_Z}{block}'; give only one",
+                              key=_Z + block)
+        zero[block] = {"device": "cpu", **({"pin_memory": pin} if pin is not None else {})}
+        logger.warning("zeroshard: config: '%s%s: true' is deprecated (in DeepSpeed too); read as '%s%s': %s",
+                       _Z, key, _Z, block, json.dumps(zero[block]))
 
 
 def normalize_aliases(raw: dict[str, Any]) -> None:

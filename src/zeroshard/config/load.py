@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from zeroshard.config.autos import check_auto_values_agree, normalize_auto_values, resolve_autos
 from zeroshard.config.batch import resolve_batch_sizes
-from zeroshard.config.compat import normalize_aliases, reject_deepspeed_only
+from zeroshard.config.compat import convert_deprecated_offload, normalize_aliases, reject_deepspeed_only
 from zeroshard.config.schema import ZeroshardConfig
 from zeroshard.config.support import check_supported
 from zeroshard.config.validation import check_json_data, config_error_from_validation
@@ -147,6 +147,7 @@ def load_config(
     else:
         raw = read_config(config)
     normalize_aliases(raw)
+    convert_deprecated_offload(raw)
     reject_deepspeed_only(raw)
     autos = normalize_auto_values(ZeroshardConfig, auto_values)
     auto_keys, batch_autos = resolve_autos(raw, ZeroshardConfig, autos)
