@@ -42,6 +42,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "get_accelerator": ("zeroshard.accelerator", "get_accelerator"),
     # Mixture of Experts is outside zeroshard's scope: DeepSpeed's names, each use a clear error
     "moe": ("zeroshard.compat.ds_moe", None),
+    # as is pipeline parallelism
+    "pipe": ("zeroshard.compat.ds_pipe", None),
     "DeepSpeedConfig": ("zeroshard.config.deepspeed_config", "DeepSpeedConfig"),
     "add_config_arguments": ("zeroshard.config.deepspeed_config", "add_config_arguments"),
 }
@@ -69,6 +71,7 @@ __all__ = [
     "initialize",
     "load_state_dict_from_zero_checkpoint",
     "moe",
+    "pipe",
     "runtime",
     "utils",
     "zero",

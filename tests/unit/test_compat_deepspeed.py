@@ -125,9 +125,9 @@ def test_shadow_resolves_to_zeroshard_and_disable_restores() -> None:
         # names and modules nobody listed stay absent, as in a real package
         assert not hasattr(deepspeed.comm, "no_such_function")
         try:
-            import deepspeed.pipe.engine
+            import deepspeed.inference.engine
         except ModuleNotFoundError as exc:
-            assert "zeroshard.compat.deepspeed" in str(exc) and exc.name == "deepspeed.pipe", exc
+            assert "zeroshard.compat.deepspeed" in str(exc) and exc.name == "deepspeed.inference", exc
         else:
             raise AssertionError("an unknown deepspeed module imported")
 
@@ -427,3 +427,44 @@ def test_moe_names_without_the_layer() -> None:
     expert.allreduce = False  # type: ignore[attr-defined]  # DeepSpeed's mark of an expert parameter
     with pytest.raises(NotYetSupportedError, match="expert parameter"):
         utils.split_params_into_different_moe_groups_for_optimizer({"params": [expert], "name": "e"})
+
+
+def test_pipe_names_import_and_refuse() -> None:
+    """DeepSpeedExamples' pipeline script imports ``deepspeed.pipe`` at top level: the names import
+    (its ``-p 0`` data-parallel mode runs), building a pipeline is an error naming the feature."""
+    import zeroshard as deepspeed
+
+    with pytest.raises(NotYetSupportedError, match=r"deepspeed\.pipe\.PipelineModule.*pipeline parallelism"):
+        deepspeed.pipe.PipelineModule(layers=[torch.nn.Linear(2, 2)], num_stages=2)
+    with pytest.raises(NotYetSupportedError, match=r"deepspeed\.pipe\.TiedLayerSpec"):
+        deepspeed.pipe.TiedLayerSpec("embed", torch.nn.Embedding, 4, 2)
+    assert not isinstance(torch.nn.Linear(2, 2), deepspeed.pipe.PipelineModule)
+
+
+def test_pipe_dataloader_and_seed_names_under_the_shadow() -> None:
+    """DeepSpeedExamples' pipeline_parallelism/train.py imports these at top level."""
+    _run("""
+        import zeroshard.compat.deepspeed as layer
+        layer.enable(shadow=True)
+        import zeroshard.utils
+        from zeroshard.compat import ds_misc, ds_pipe
+        from deepspeed.pipe import PipelineModule
+        from deepspeed.utils import RepeatingLoader
+        from deepspeed.runtime.dataloader import RepeatingLoader as Loader2
+        from deepspeed.runtime.utils import set_random_seed
+        assert PipelineModule is ds_pipe.PipelineModule and set_random_seed is ds_misc.set_random_seed
+        assert RepeatingLoader is Loader2 is zeroshard.utils.RepeatingLoader
+    """)
+
+
+def test_repeating_loader_and_set_random_seed() -> None:
+    from zeroshard.compat.ds_misc import set_random_seed
+    from zeroshard.utils import RepeatingLoader
+
+    loader = RepeatingLoader([1, 2, 3])
+    assert [next(loader) for _ in range(7)] == [1, 2, 3, 1, 2, 3, 1]
+    assert iter(loader) is loader
+    set_random_seed(7)
+    a = (torch.rand(2), __import__("random").random())
+    set_random_seed(7)
+    assert torch.equal(a[0], torch.rand(2)) and a[1] == __import__("random").random()

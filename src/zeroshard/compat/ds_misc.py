@@ -5,13 +5,15 @@ ZeRO-3 state dict), ``deepspeed.launcher.runner.DEEPSPEED_ENVIRONMENT_NAME`` (th
 ``KEY=VALUE`` lines ``zeroshard launch`` forwards to every host, as DeepSpeed's launcher does),
 ``deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES`` (accelerate compares scheduler class names with it),
 ``deepspeed.compression.helper.recursive_getattr``/``recursive_setattr`` (DeepSpeed-Chat's LoRA code
-replaces submodules by dotted name with them) and ``deepspeed.runtime.utils.see_memory_usage``.
+replaces submodules by dotted name with them), ``deepspeed.runtime.utils.see_memory_usage`` and
+``set_random_seed``.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import random
 from typing import Any
 
 import torch
@@ -95,3 +97,16 @@ def see_memory_usage(message: str, force: bool = False) -> None:
     used, percent = _host_memory_gib()
     print(f"CPU Virtual Memory:  used = {used:.2f} GB, percent = {percent:.1f}%")
     acc.reset_peak_memory_stats()
+
+
+def set_random_seed(seed: int) -> None:
+    """DeepSpeed's ``deepspeed.runtime.utils.set_random_seed``: seed Python's, NumPy's (when installed)
+    and torch's generators."""
+    random.seed(seed)
+    try:
+        import numpy
+    except ImportError:
+        pass
+    else:
+        numpy.random.seed(seed)
+    torch.manual_seed(seed)

@@ -97,7 +97,10 @@ MODULES: dict[str, Entry] = {
     "deepspeed.runtime.engine": Entry(names={"DeepSpeedEngine": _ENGINE}),
     "deepspeed.runtime.config": Entry(names={"DeepSpeedConfig": "zeroshard:DeepSpeedConfig"},
                                       placeholders=frozenset({"DeepSpeedConfig"})),
-    "deepspeed.runtime.utils": Entry(names=_misc("see_memory_usage")),
+    "deepspeed.runtime.utils": Entry(names=_misc("see_memory_usage", "set_random_seed")),
+    "deepspeed.runtime.dataloader": Entry(names={"RepeatingLoader": "zeroshard.utils:RepeatingLoader"}),
+    # Pipeline parallelism is outside zeroshard's scope: the names import, building a pipeline raises
+    "deepspeed.pipe": Entry(forward=("zeroshard.compat.ds_pipe",)),
     "deepspeed.runtime.lr_schedules": Entry(names={
         **_SCHEDULES, "VALID_LR_SCHEDULES": "zeroshard.compat.ds_misc:VALID_LR_SCHEDULES"}),
     "deepspeed.runtime.activation_checkpointing": Entry(),

@@ -1,12 +1,13 @@
 """``zeroshard.utils``: helpers under DeepSpeed's ``deepspeed.utils`` names.
 
 ``logger`` and ``log_dist`` (:mod:`.logging`), the ``safe_get_full_*``/``safe_set_*``/``safe_get_local_*``
-accessors of sharded parameters, gradients and optimizer states (:mod:`.tensor_fragment`), and
-``set_z3_leaf_modules``.
+accessors of sharded parameters, gradients and optimizer states (:mod:`.tensor_fragment`),
+``set_z3_leaf_modules`` and ``RepeatingLoader``.
 """
 
 from zeroshard.stages.units import set_z3_leaf_modules
 from zeroshard.utils.logging import log_dist, logger
+from zeroshard.utils.repeating_loader import RepeatingLoader
 from zeroshard.utils.tensor_fragment import (
     safe_get_full_fp32_param,
     safe_get_full_grad,
@@ -23,6 +24,7 @@ from zeroshard.utils.tensor_fragment import (
 )
 
 __all__ = [
+    "RepeatingLoader",
     "log_dist",
     "logger",
     "safe_get_full_fp32_param",
