@@ -245,7 +245,9 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
         if self.inside_no_sync_ctxt:
             raise RuntimeError("engine.step() inside no_sync() is illegal (as in DeepSpeed): leave the block first")
         self._step_applied = False
-        if isinstance(self.optimizer.optimizer, NoOptimizer):  # with nothing trained it is never reached
+        if isinstance(self.optimizer.optimizer, NoOptimizer):
+            # An evaluation engine refuses here, at every micro-step: with nothing trained (a model
+            # frozen whole) the optimizer step below would never call it.
             self.optimizer.optimizer.step()
         boundary = self.is_gradient_accumulation_boundary()
         self.tput_timer.stop(global_step=boundary, report_speed=False)
