@@ -37,6 +37,7 @@ count against the live budget like any other and are evicted least-recently-used
 from __future__ import annotations
 
 import functools
+import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -52,6 +53,8 @@ from zeroshard.comm.subset import arrive
 from zeroshard.stages import param_reads
 from zeroshard.stages.param_unit import ParamUnit, UnitState
 from zeroshard.stages.units import is_leaf, unit_modules
+
+logger = logging.getLogger("zeroshard")
 
 #: Bytes of released units after which freed host memory is returned to the system (CPU only).
 TRIM_BYTES = 32 * 2**20
@@ -142,6 +145,10 @@ class ParamCoordinator:
         self.last_used: ParamUnit | None = None
         self.step: Callable[[], int] | None = None  # the engine's step counter, for error messages
         self._placeholders = 0
+        #: set on ranks other than 0 by a consolidated 16-bit state dict (which only rank 0 receives),
+        #: until the next forward: see :meth:`after_consolidated_state_dict`
+        self._lone_state_dicts = False
+        self._lone_warned = False
         group = units[0].group if units else None
         mode = agreement.verify_gathers_mode()
         if units and C.world_size(group) > 1 and mode != "off":
@@ -174,13 +181,31 @@ class ParamCoordinator:
         finally:
             self._placeholders -= 1
 
+    def after_consolidated_state_dict(self, rank: int) -> None:
+        """A consolidated 16-bit state dict was just taken on every rank: rank 0 holds it, the others
+        got ``None``. accelerate's ZeRO-3 save recipe then runs ``save_pretrained(state_dict=...)`` on
+        every rank, and transformers calls ``model.state_dict()`` on the ranks that got ``None``, on
+        those ranks alone: there, until the next forward, state dicts gather nothing and hold the
+        empty placeholders, as DeepSpeed's always do (a gather would wait for rank 0, which never comes)."""
+        self._lone_state_dicts = rank != 0
+        self._lone_warned = False
+
+    def _placeholder_state_dicts(self, module: torch.nn.Module) -> bool:
+        if self._lone_state_dicts and not self._lone_warned:
+            self._lone_warned = True  # info, not a warning: accelerate's recipe does this on every save
+            logger.info("zeroshard: rank %d: state_dict() right after a consolidated 16-bit state dict (which "
+                           "rank 0 holds) gathers nothing: its partitioned parameters are empty placeholders, as "
+                           "in DeepSpeed. Gather them with GatheredParameters or engine.gathered() for values",
+                           C.rank(self.units[0].group) if self.units else 0)
+        return bool(self._placeholders) or self._lone_state_dicts
+
     def _pre_state_dict(self, module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
-        if not self._placeholders:
+        if not self._placeholder_state_dicts(module):
             self.fetch(self.module_units[module], record=False)
 
     def _post_state_dict(self, module: torch.nn.Module, state_dict: dict[str, Any], prefix: str,
                          local_metadata: Any) -> None:
-        if self._placeholders:
+        if self._placeholders or self._lone_state_dicts:
             return
         for name, p in module.named_parameters(recurse=False):
             if prefix + name in state_dict:
@@ -190,6 +215,7 @@ class ParamCoordinator:
 
     # -- hooks -------------------------------------------------------------------------------
     def _pre_forward(self, module: torch.nn.Module, args: Any) -> Any:
+        self._lone_state_dicts = False
         # A list of this call's own: units of parameters its forward reads from other modules join it.
         units = list(self.module_units.get(module, ()))
         self.calls.append(units)

@@ -55,4 +55,6 @@ def zero3_consolidated_16bit_state_dict(engine: Any, exclude_frozen_parameters: 
     which Hugging Face's Trainer catches to save a full checkpoint instead)."""
     if engine.zero_optimization_stage() != 3:
         raise ValueError("this function requires ZeRO-3 mode")
-    return consolidated_state_dict(engine.module, exclude_frozen_parameters)
+    out = consolidated_state_dict(engine.module, exclude_frozen_parameters)
+    engine.optimizer.coordinator.after_consolidated_state_dict(dist.get_rank() if dist.is_initialized() else 0)
+    return out
