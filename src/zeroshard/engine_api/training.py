@@ -291,7 +291,7 @@ class TrainingAPI:
         if not unused:
             return
         names = [n for n, p in self.module.named_parameters() if p in unused]
-        shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+        shown = _listed(names, 10)
         raise ConfigError(f"{len(names)} trainable parameter(s) got no gradient on any rank in this accumulation "
                           f"window: {shown}. Use them in the forward, freeze them (requires_grad=False), or set "
                           "ignore_unused_parameters to true", key="zero_optimization.ignore_unused_parameters")
@@ -305,7 +305,7 @@ class TrainingAPI:
         if not stray:
             return
         names = [n for n, p in self.module.named_parameters() if p in stray]
-        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        shown = _listed(names, 5)
         raise ZeroshardError(f"engine.step(): {len(names)} trained parameter(s) hold a .grad that no "
                              f"engine.backward() took ({shown}): a backward ran outside engine.backward(). Train "
                              "with engine.backward(loss) (it scales, accumulates and reduces the gradients), and "
@@ -321,7 +321,7 @@ class TrainingAPI:
             return
         self._frozen_at_initialize = []
         if self.global_rank == 0:
-            shown = ", ".join(late[:5]) + (f" and {len(late) - 5} more" if len(late) > 5 else "")
+            shown = _listed(late, 5)
             logger.warning("zeroshard: %d parameter(s) frozen when initialize() ran now require grad (%s); they "
                            "are not trained: the optimizer was built without them. Pass them to initialize() "
                            "trainable (requires_grad=True, e.g. in a param group with lr 0 until they are "
@@ -334,3 +334,8 @@ class TrainingAPI:
         usage = self.memory_usage()  # type: ignore[attr-defined]
         logger.info("zeroshard: memory %s: %s", where,
                     " ".join(f"{k}={v / 2**20:.1f}MiB" for k, v in usage.items()))
+
+
+def _listed(names: list[str], limit: int) -> str:
+    """``names`` for a message: the first ``limit``, then how many more."""
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
