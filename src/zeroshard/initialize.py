@@ -31,6 +31,7 @@ from zeroshard.monitor.logs import install_default_handler
 from zeroshard.offload import OffloadPolicy
 from zeroshard.optim import build_optimizer, build_scheduler
 from zeroshard.optim.no_optimizer import NoOptimizer
+from zeroshard.optim.shape_dependent import refuse_shape_dependent
 from zeroshard.partition import full_numel
 from zeroshard.precision import PrecisionPolicy, make_loss_scaler
 from zeroshard.stages import Stage3Optimizer, StageSpec, ZeroOptimizer
@@ -108,6 +109,7 @@ def initialize(
     if cfg.collective_timeout is not None:
         watchdog.set_timeout(timedelta(seconds=float(cfg.collective_timeout)), group)
     watchdog.start_heartbeat()
+    refuse_shape_dependent(optimizer)  # before anything is moved or partitioned
     device = default_device(local_rank())
     model.to(device)
     # Built under zero.Init but trained unsharded: whole, on the training device (model.to above
@@ -309,7 +311,13 @@ def _bind_optimizer(zero_opt: ZeroOptimizer, optimizer: OptimizerArg, cfg: Zeros
     if isinstance(optimizer, torch.optim.Optimizer):
         zero_opt.adopt(optimizer)
     elif callable(optimizer):
-        zero_opt.bind(optimizer)
+        try:
+            zero_opt.bind(optimizer)
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise ConfigError(f"the optimizer factory passed to initialize failed on zeroshard's param groups, whose "
+                              f"tensors are flat 1-D views of each rank's shard of the parameters: {e}",
+                              key="optimizer") from e
+        refuse_shape_dependent(zero_opt.optimizer)  # a factory: known only once it has built one
     elif cfg.optimizer is not None:
         opt_cfg = cfg.optimizer
         zero_opt.bind(lambda groups: build_optimizer(opt_cfg.type, dict(opt_cfg.params), groups))
