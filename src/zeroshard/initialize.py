@@ -103,13 +103,13 @@ def initialize(
     init_distributed()
     group = None  # the default (world) group: the one the user created, or ours
     cfg = load_config(config, world_size=C.world_size(group), auto_values=auto_values)
+    refuse_shape_dependent(optimizer)  # before anything is moved or partitioned
     logger.info("zeroshard: initialize: ZeRO stage %d on %d ranks", cfg.zero_stage, C.world_size(group))
     _check_same_config(cfg, group)
     _configure_activation_checkpointing(cfg)  # the activation_checkpointing block, unless configure() was called
     if cfg.collective_timeout is not None:
         watchdog.set_timeout(timedelta(seconds=float(cfg.collective_timeout)), group)
     watchdog.start_heartbeat()
-    refuse_shape_dependent(optimizer)  # before anything is moved or partitioned
     device = default_device(local_rank())
     model.to(device)
     # Built under zero.Init but trained unsharded: whole, on the training device (model.to above
