@@ -146,7 +146,8 @@ NO_EFFECT: dict[str, str] = {
                                                                 "blocks on an accelerator; on CPU see the "
                                                                 "README's allocator setting ('Memory')"),
     "activation_checkpointing.number_checkpoints": "only sizes DeepSpeed's contiguous buffer (see the key above)",
-    "zero_allow_untested_optimizer": "any torch optimizer steps on the shard; none is refused",
+    "zero_allow_untested_optimizer": ("any elementwise torch optimizer steps on the shard; the ones known to read "
+                                      "a parameter's shape are refused whatever its value"),
     "zero_force_ds_cpu_optimizer": ("any torch optimizer steps on host tensors with optimizer offload (Adam and "
                                     "AdamW use torch's fused CPU kernel); none is refused"),
     "checkpoint.load_universal": ("zeroshard checkpoints reload at any world size and stage without conversion; "

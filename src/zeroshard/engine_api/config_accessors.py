@@ -154,7 +154,7 @@ class ConfigAccessors:
         return self.zero_optimization_partition_weights()
 
     def zero_allow_untested_optimizer(self) -> bool:
-        """``zero_allow_untested_optimizer`` (no effect: any torch optimizer works)."""
+        """``zero_allow_untested_optimizer`` (no effect: any elementwise torch optimizer works)."""
         return bool(self.config.zero_allow_untested_optimizer)
 
     def zero_force_ds_cpu_optimizer(self) -> bool:
