@@ -39,7 +39,8 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from types import TracebackType
 
 import torch
@@ -64,6 +65,7 @@ __all__ = [
     "SwapFile",
     "aligned_empty",
     "check_free_space",
+    "release",
     "remove_swap_dir",
     "swap_dir",
 ]
@@ -239,6 +241,9 @@ class AsyncIO:
         for w in self._workers:
             w.join()
 
+    def _in_worker(self) -> bool:
+        return threading.current_thread() in self._workers
+
     def __enter__(self) -> AsyncIO:
         return self
 
@@ -369,6 +374,25 @@ class AsyncIO:
         else:
             _move("read", fd, view, pos, n)  # the padding past the file's end may come back short
             h._u8[start:end].copy_(buf[:n])
+
+
+def release(io: AsyncIO, files: Iterable[SwapFile], directory: Path) -> None:
+    """Stop ``io``'s threads once its requests have ended, close and delete ``files`` (iterated now)
+    and remove ``directory``: the end of a swap store's ``close()``, and what a store collected
+    without it (its engine dropped without ``destroy()``) gets from its finalizer, so that a sweep of
+    trainings in one process does not pile up threads, descriptors and swap files.
+
+    A finalizer may run in one of ``io``'s own workers (a collection there): that worker cannot wait
+    for itself, so the release then runs in a thread of its own.
+    """
+    if io._in_worker():
+        threading.Thread(target=release, args=(io, list(files), directory), name="zeroshard-aio-release",
+                         daemon=True).start()
+        return
+    io.close()
+    for f in list(files):
+        f.close(remove=True)
+    remove_swap_dir(directory)
 
 
 def _size_of(file: SwapFile) -> str:

@@ -40,6 +40,7 @@ aligned byte range around the parameter's elements, so nothing larger than one p
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Collection
 from typing import Any
 
@@ -53,7 +54,7 @@ from zeroshard.offload.aio import (
     SwapFile,
     aligned_empty,
     check_free_space,
-    remove_swap_dir,
+    release,
     round_up,
     swap_dir,
 )
@@ -116,6 +117,7 @@ class SwappedStateStore(StateStore):
         a = policy.aio
         self.io = AsyncIO(a.block_size, a.queue_depth, a.threads)
         self.files: dict[str, SwapFile] = {}
+        self._release = weakref.finalize(self, release, self.io, self.files.values(), self.directory)
         #: per-element optimizer state keys, in the order first seen
         self.keys: list[str] = []
         largest = max((sg.numel for sg in self.subgroups), default=1)
@@ -426,8 +428,5 @@ class SwappedStateStore(StateStore):
             self.settle()
         except OSError:
             pass  # the files are removed next: nothing would read what failed to be written
-        self.io.close()
-        for f in self.files.values():
-            f.close(remove=True)
+        self._release()
         self.files.clear()
-        remove_swap_dir(self.directory)

@@ -38,6 +38,7 @@ from zeroshard import host_memory
 from zeroshard.comm import collectives as C
 from zeroshard.partition import COMM_BUFFERS, Bucket, scatter_into_rows
 from zeroshard.precision import PrecisionPolicy
+from zeroshard.utils.weak_hooks import remove_when_collected, weak_method_hook
 
 #: Stage 2/3 bucket buffers kept for reuse; a bucket that finds none free waits for the oldest
 #: collective in flight rather than allocating (DDP keeps one per bucket).
@@ -100,7 +101,8 @@ class GradSync:
         #: ``initialize``); ``None``: the stage's own placement of the 1/world average
         self.scaling: tuple[float, float] | None = None
         for p in self._where:
-            self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+            self._handles.append(p.register_post_accumulate_grad_hook(weak_method_hook(self._on_grad)))
+        remove_when_collected(self, self._handles)
 
     # -- hooks -------------------------------------------------------------------------------
     def start_backward(self, boundary: bool) -> None:
