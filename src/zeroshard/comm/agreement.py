@@ -109,9 +109,18 @@ def check(values: list[int], group: dist.ProcessGroup | None, where: str,
         f"ranks disagree at {where}:\n{text}\nEvery rank must run the same number of forward and backward "
         "passes per optimizer step (a data loader with more batches on some ranks causes this)"
         + (", and under ZeRO-3 the same modules in the same order (their parameters are gathered with "
-           "collectives: an evaluation or generate() on some ranks only causes this too; run it on every rank)"
-           if sequence is not None else "") + "."
+           "collectives: an evaluation or generate() on some ranks only causes this too; run it on every rank). "
+           + UNUSED_OUTPUT_HINT if sequence is not None else ".")
     )
+
+
+#: the backward half of "the same modules on every rank", which scripts break without a branch in forward
+UNUSED_OUTPUT_HINT = (
+    "Backward counts too: a module every rank runs but whose output some ranks' loss does not use "
+    "(`if mask.any(): loss = loss + aux_loss`) is reached by backward, and gathered again, on the other "
+    "ranks only; keep it in every rank's loss with a zero term (`loss = loss + 0 * aux_out.sum()`), "
+    "which adds nothing to any gradient."
+)
 
 
 def _first_divergence(sequence: list[int], group: dist.ProcessGroup | None, world: int,
@@ -175,5 +184,5 @@ class GatherGuard:
             f"ranks disagree on the next ZeRO-3 all-gather:\n{_mismatch(rows, None, self.unit_names)}\n"
             "Under ZeRO-3 every rank must run the same modules in the same order in each forward and backward "
             "(their parameters are gathered with collectives): a branch taken on some ranks only, or an extra "
-            "forward on one rank, cannot be exchanged."
+            "forward on one rank, cannot be exchanged. " + UNUSED_OUTPUT_HINT
         )
