@@ -26,7 +26,7 @@ from zeroshard.config import ZeroshardConfig, load_config, to_dict
 from zeroshard.config.no_effect import warn_no_effect
 from zeroshard.device import default_device
 from zeroshard.engine import ZeroEngine
-from zeroshard.errors import ConfigError, NotYetSupportedError
+from zeroshard.errors import ConfigError, NotYetSupportedError, ZeroshardError
 from zeroshard.monitor.logs import install_default_handler
 from zeroshard.offload import OffloadPolicy
 from zeroshard.optim import build_optimizer, build_scheduler
@@ -313,10 +313,12 @@ def _bind_optimizer(zero_opt: ZeroOptimizer, optimizer: OptimizerArg, cfg: Zeros
     elif callable(optimizer):
         try:
             zero_opt.bind(optimizer)
+        except (ZeroshardError, torch.OutOfMemoryError):
+            raise  # already says what it is; callers and retry helpers match on the type
         except (ValueError, TypeError, RuntimeError) as e:
-            raise ConfigError(f"the optimizer factory passed to initialize failed on zeroshard's param groups, whose "
-                              f"tensors are flat 1-D views of each rank's shard of the parameters: {e}",
-                              key="optimizer") from e
+            raise ConfigError(f"the optimizer factory passed to initialize failed: {type(e).__name__}: {e} (its param "
+                              "groups hold flat 1-D views of each rank's shard: an optimizer that needs the "
+                              "parameters' shapes cannot step them)", key="optimizer") from e
         refuse_shape_dependent(zero_opt.optimizer)  # a factory: known only once it has built one
     elif cfg.optimizer is not None:
         opt_cfg = cfg.optimizer

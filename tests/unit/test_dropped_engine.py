@@ -10,6 +10,7 @@ with NVMe offload also its I/O threads, file descriptors and swap files until th
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import weakref
 from pathlib import Path
@@ -86,3 +87,30 @@ def test_a_kept_model_loses_the_dropped_engines_hooks(process_group: None) -> No
     gc.collect()  # the parameters name their engine's optimizer (GatheredParameters finds it so): the
     # second engine keeps its own hooks alive, the first one's are gone with it
     assert all(len(p._post_accumulate_grad_hooks) == 1 for p in model.parameters())  # type: ignore[attr-defined]
+
+
+def test_a_forked_child_leaves_the_parents_swap_files(tmp_path: Path, process_group: None) -> None:
+    """A child forked from a training process (a data-loader worker, a subprocess launcher) inherits
+    the engine, not its I/O threads or files: collecting it there must not delete the parent's files."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 3))
+    engine, optimizer, _, _ = zeroshard.initialize(model=model, config=_config(3, nvme))
+    engine.backward(engine(torch.randn(4, 24)).square().mean())
+    engine.step()
+    before = sorted(str(p) for p in nvme.rglob("*.swp"))
+    assert before
+    pid = os.fork()
+    if pid == 0:  # the child drops everything and collects, as a worker ending would
+        try:
+            del engine, optimizer, model
+            gc.collect()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert sorted(str(p) for p in nvme.rglob("*.swp")) == before
+    engine.backward(engine(torch.randn(4, 24)).square().mean())
+    engine.step()
+    engine.destroy()
+    assert list(nvme.rglob("*.swp")) == []

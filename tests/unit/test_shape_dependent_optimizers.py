@@ -35,18 +35,29 @@ class Adafactor(torch.optim.SGD):
     """Stands for transformers' ``Adafactor``: another module, the same name."""
 
 
+class MyAdafactor(torch.optim.Adafactor):
+    """A user's subclass of a shape-dependent optimizer."""
+
+
+class LAMB8bit(torch.optim.SGD):
+    """Stands for bitsandbytes' ``LAMB8bit``: a family matched by part of the name."""
+
+
 @pytest.mark.parametrize("stage", [0, 2, 3])
 @pytest.mark.parametrize("make", [
     pytest.param(lambda m: torch.optim.Adafactor(m.parameters(), lr=1e-2), id="torch-Adafactor"),
     pytest.param(lambda m: Adafactor(m.parameters(), lr=1e-2), id="Adafactor-by-name"),
     pytest.param(lambda m: functools.partial(torch.optim.Adafactor, lr=1e-2), id="partial"),
+    pytest.param(lambda m: MyAdafactor(m.parameters(), lr=1e-2), id="subclass"),
+    pytest.param(lambda m: LAMB8bit(m.parameters(), lr=1e-2), id="family"),
     pytest.param(lambda m: torch.optim.Muon([p for p in m.parameters() if p.ndim == 2], lr=1e-2), id="Muon"),
     pytest.param(lambda m: (lambda groups: Adafactor(groups, lr=1e-2)), id="factory"),
 ])
 def test_shape_dependent_client_optimizer_is_refused(stage: int, make, process_group: None) -> None:
     model = _model()
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(NotYetSupportedError, match=r"(Adafactor|Muon) is not supported yet: .* shape") as info:
+    refused = r"(Adafactor|Muon|LAMB8bit)( \(a Adafactor\))? is not supported yet: .* shape"
+    with pytest.raises(NotYetSupportedError, match=refused) as info:
         zeroshard.initialize(model=model, optimizer=make(model), config=_config(stage))
     assert info.value.key == "optimizer"
     if stage == 3:  # refused before partitioning, except a factory, known only once it has built one
@@ -57,7 +68,7 @@ def test_shape_dependent_client_optimizer_is_refused(stage: int, make, process_g
 def test_a_factory_failing_on_flat_views_says_so(process_group: None) -> None:
     """``torch.optim.Muon`` refuses anything but 2-D tensors when it is built: from a factory it is
     built over zeroshard's 1-D views, and the error says that is why."""
-    with pytest.raises(ConfigError, match=r"flat 1-D views .*Muon only supports 2D parameters") as info:
+    with pytest.raises(ConfigError, match=r"Muon only supports 2D parameters.*flat 1-D views") as info:
         zeroshard.initialize(model=_model(), optimizer=lambda groups: torch.optim.Muon(groups, lr=1e-2),
                              config=_config(2))
     assert info.value.key == "optimizer"
@@ -82,3 +93,12 @@ def test_elementwise_client_optimizer_matches_plain_pytorch(stage: int, process_
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-7)
     engine.destroy()
+
+
+def test_a_factory_raising_a_zeroshard_error_keeps_its_type(process_group: None) -> None:
+    """An error that already says what it is (here the config builder's own refusal) passes through."""
+    from zeroshard.optim import build_optimizer
+
+    with pytest.raises(NotYetSupportedError, match="'Lamb' is not supported yet"):
+        zeroshard.initialize(model=_model(), optimizer=lambda groups: build_optimizer("Lamb", {}, groups),
+                             config=_config(2))

@@ -119,7 +119,7 @@ UNUSED_OUTPUT_HINT = (
     "Backward counts too: a module every rank runs but whose output some ranks' loss does not use "
     "(`if mask.any(): loss = loss + aux_loss`) is reached by backward, and gathered again, on the other "
     "ranks only; keep it in every rank's loss with a zero term (`loss = loss + 0 * aux_out.sum()`), "
-    "which adds nothing to any gradient."
+    "which adds nothing to any gradient while the output is finite."
 )
 
 

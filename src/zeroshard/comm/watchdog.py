@@ -107,17 +107,18 @@ def _default_store() -> dist.Store | None:
 def start_heartbeat() -> None:
     """Start this process's heartbeat (once per process group; a no-op in a world of one)."""
     global _heartbeat, _store, _exit_hook
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    if os.environ.get("ZEROSHARD_HEARTBEAT", "1") == "0":  # opt-out: failures then name no rank
-        return
-    store = _default_store()
+    store = _default_store() if dist.is_initialized() else None
     if _heartbeat is not None and _heartbeat.alive():
         if _heartbeat.store is store:
             return
         # The group it reported on was destroyed and another created within its last second's
         # sleep (a sweep of trainings in one process): it would keep writing to the dead store.
         _heartbeat.stop()
+        _heartbeat = _store = None
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    if os.environ.get("ZEROSHARD_HEARTBEAT", "1") == "0":  # opt-out: failures then name no rank
+        return
     _store = store
     if _store is not None:
         _heartbeat = Heartbeat(_store, dist.get_rank())

@@ -38,6 +38,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -66,6 +67,7 @@ __all__ = [
     "aligned_empty",
     "check_free_space",
     "release",
+    "release_when_collected",
     "remove_swap_dir",
     "swap_dir",
 ]
@@ -376,23 +378,35 @@ class AsyncIO:
             h._u8[start:end].copy_(buf[:n])
 
 
-def release(io: AsyncIO, files: Iterable[SwapFile], directory: Path) -> None:
+def release(io: AsyncIO, files: Iterable[SwapFile], directory: Path, owner_pid: int) -> None:
     """Stop ``io``'s threads once its requests have ended, close and delete ``files`` (iterated now)
     and remove ``directory``: the end of a swap store's ``close()``, and what a store collected
     without it (its engine dropped without ``destroy()``) gets from its finalizer, so that a sweep of
     trainings in one process does not pile up threads, descriptors and swap files.
 
-    A finalizer may run in one of ``io``'s own workers (a collection there): that worker cannot wait
-    for itself, so the release then runs in a thread of its own.
+    Only in the process that made them (``owner_pid``): a forked child inherits the store, not its
+    I/O threads or its files. A finalizer may run in one of ``io``'s own workers (a collection
+    there): that worker cannot wait for itself, so the release then runs in a thread of its own.
     """
+    if os.getpid() != owner_pid:
+        return
     if io._in_worker():
-        threading.Thread(target=release, args=(io, list(files), directory), name="zeroshard-aio-release",
-                         daemon=True).start()
+        threading.Thread(target=release, args=(io, list(files), directory, owner_pid),
+                         name="zeroshard-aio-release", daemon=True).start()
         return
     io.close()
     for f in list(files):
         f.close(remove=True)
     remove_swap_dir(directory)
+
+
+def release_when_collected(store: object, io: AsyncIO, files: Iterable[SwapFile], directory: Path) -> weakref.finalize:
+    """A finalizer that runs :func:`release` on a swap store's resources once ``store`` is garbage; call
+    it to release them now. Not at interpreter exit: in-flight transfers are not waited for there,
+    and the exit hook of :mod:`~zeroshard.offload.swap_files` removes the directories."""
+    fin = weakref.finalize(store, release, io, files, directory, os.getpid())
+    fin.atexit = False
+    return fin
 
 
 def _size_of(file: SwapFile) -> str:

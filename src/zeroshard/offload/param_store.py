@@ -18,14 +18,21 @@ or unit-by-unit writes to the file).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from zeroshard.errors import ConfigError
-from zeroshard.offload.aio import AsyncIO, IOHandle, SwapFile, check_free_space, release, round_up, swap_dir
+from zeroshard.offload.aio import (
+    AsyncIO,
+    IOHandle,
+    SwapFile,
+    check_free_space,
+    release_when_collected,
+    round_up,
+    swap_dir,
+)
 from zeroshard.offload.buffers import BufferPool
 from zeroshard.offload.policy import OffloadPolicy, Residency, host_device, place_of, should_pin
 from zeroshard.partition import Bucket
@@ -71,7 +78,7 @@ class ParamSwapFile:
         self.file = SwapFile(self.directory / "params.swp", max(pos, 4096))
         a = policy.aio
         self.io = AsyncIO(a.block_size, a.queue_depth, a.threads)
-        self._release = weakref.finalize(self, release, self.io, [self.file], self.directory)
+        self._release = release_when_collected(self, self.io, [self.file], self.directory)
         self.numel = {b.index: b.numel for b in buckets}
         self.pool = BufferPool(policy.param_buffer_count, max(largest, 1), dtype, pin)
         #: the engine's step counter, for error messages (set by the engine)

@@ -40,7 +40,6 @@ aligned byte range around the parameter's elements, so nothing larger than one p
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Collection
 from typing import Any
 
@@ -54,7 +53,7 @@ from zeroshard.offload.aio import (
     SwapFile,
     aligned_empty,
     check_free_space,
-    release,
+    release_when_collected,
     round_up,
     swap_dir,
 )
@@ -117,7 +116,7 @@ class SwappedStateStore(StateStore):
         a = policy.aio
         self.io = AsyncIO(a.block_size, a.queue_depth, a.threads)
         self.files: dict[str, SwapFile] = {}
-        self._release = weakref.finalize(self, release, self.io, self.files.values(), self.directory)
+        self._release = release_when_collected(self, self.io, self.files.values(), self.directory)
         #: per-element optimizer state keys, in the order first seen
         self.keys: list[str] = []
         largest = max((sg.numel for sg in self.subgroups), default=1)

@@ -11,9 +11,11 @@ different update, so the run would silently train differently from plain PyTorch
 world of one. DeepSpeed flattens the same way (a factored optimizer silently becomes unfactored);
 zeroshard says so instead.
 
-The check knows these optimizers by class name, so the same names from transformers, timm,
-torch-optimizer or bitsandbytes are caught too. An optimizer it does not know is the caller's to
-vouch for (the README says what "elementwise" means here).
+The check knows these optimizers by the names of the classes in their MRO (families by a part of
+the name: ``lamb`` catches bitsandbytes' ``LAMB8bit`` and apex's ``FusedLamb``), so subclasses and
+the same optimizers from transformers, timm, apex, torch-optimizer or bitsandbytes are caught too.
+An optimizer it does not know is the caller's to vouch for (the README says what "elementwise"
+means here).
 """
 
 from __future__ import annotations
@@ -23,13 +25,21 @@ from typing import Any
 
 from zeroshard.errors import NotYetSupportedError
 
-#: lower-cased class names (or their starts, for families with many variants)
-_SHAPE_DEPENDENT = frozenset({
-    "adafactor", "muon", "lbfgs", "sparseadam", "lamb", "fusedlamb", "onebitlamb", "lars", "fusedlars",
-    "novograd", "shampoo", "distributedshampoo", "soap", "adammini", "adam_mini", "prodigy", "came",
-    "sm3", "apollo",
-})
-_SHAPE_DEPENDENT_PREFIXES = ("galore", "dadapt")
+#: lower-cased class names: families matched anywhere in a name (``LAMB8bit``, ``FusedNovoGrad``,
+#: ``MuonWithAuxAdam``, ``AdafactorBigVision``, ``GaLoreAdamW``, ``DAdaptAdam``...), and names too
+#: short or too common to match inside others, matched whole
+_FAMILIES = ("adafactor", "muon", "lamb", "lars", "novograd", "shampoo", "galore", "dadapt", "prodigy", "apollo",
+             "adahessian", "ranger")
+_EXACT = frozenset({"soap", "came", "sm3", "kron", "adamp", "sgdp", "adam_mini", "adammini", "lbfgs", "sparseadam"})
+
+
+def _shape_dependent(cls: type) -> type | None:
+    """The first class of ``cls``'s MRO known to be shape-dependent (a subclass of one is too)."""
+    for c in cls.__mro__:
+        name = c.__name__.lower()
+        if name in _EXACT or any(f in name for f in _FAMILIES):
+            return c
+    return None
 
 
 def _class_of(optimizer: Any) -> type | None:
@@ -53,13 +63,16 @@ def refuse_shape_dependent(optimizer: Any) -> None:
     cls = _class_of(optimizer)
     if cls is None:
         return
-    name = cls.__name__.lower()
-    if name not in _SHAPE_DEPENDENT and not name.startswith(_SHAPE_DEPENDENT_PREFIXES):
+    known = _shape_dependent(cls)
+    if known is None:
         return
+    what = f"{cls.__module__}.{cls.__qualname__}"
+    if known is not cls:
+        what += f" (a {known.__qualname__})"
     raise NotYetSupportedError(
-        f"the optimizer {cls.__module__}.{cls.__qualname__} is not supported yet: its update of a parameter "
-        "depends on the parameter's shape or on statistics over whole tensors, and zeroshard's optimizer "
-        "steps flat 1-D views of each rank's shard, so it would train differently from plain PyTorch. "
-        "Use an elementwise optimizer (AdamW, Adam, SGD, Lion, Adagrad, RMSprop...)",
+        f"the optimizer {what} is not supported yet: its update of a parameter depends on the parameter's "
+        "shape or on statistics over whole tensors (or, SparseAdam, on sparse gradients), and zeroshard's "
+        "optimizer steps flat 1-D views of each rank's shard, so it would train differently from plain "
+        "PyTorch. Use an elementwise optimizer (AdamW, Adam, SGD, Lion, Adagrad, RMSprop...)",
         key="optimizer",
     )
