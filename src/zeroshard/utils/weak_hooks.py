@@ -30,7 +30,7 @@ def weak_method_hook(method: Callable[[Any], Any]) -> Callable[[Any], Any]:
 def remove_when_collected(owner: object, handles: list[torch.utils.hooks.RemovableHandle]) -> None:
     """Remove ``handles`` from their tensors once ``owner`` is garbage (the list may grow meanwhile),
     so that a model trained on by a later engine does not carry the dead engine's hooks."""
-    weakref.finalize(owner, _remove_all, handles)
+    weakref.finalize(owner, _remove_all, handles).atexit = False  # nothing to tidy in a process ending
 
 
 def _remove_all(handles: list[torch.utils.hooks.RemovableHandle]) -> None:
