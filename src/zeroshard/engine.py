@@ -332,6 +332,15 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
     def training_dataloader(self, loader: Any) -> None:
         self.__dict__["_training_dataloader"] = loader
 
+    @property
+    def collate_fn(self) -> Any:
+        """The ``collate_fn`` given to ``initialize``: :meth:`deepspeed_io`'s default, as in DeepSpeed."""
+        return self.__dict__.get("_collate_fn")
+
+    @collate_fn.setter
+    def collate_fn(self, fn: Any) -> None:
+        self.__dict__["_collate_fn"] = fn
+
     @guarded("save_checkpoint after step {step}")
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict[str, Any] | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:

@@ -162,6 +162,7 @@ def initialize(
     loader = _dataloader(training_data, cfg, collate_fn, group)
     engine = ZeroEngine(model, zero_opt, cfg, policy, scheduler, group)
     engine.training_dataloader = loader
+    engine.collate_fn = collate_fn  # deepspeed_io's default, as in DeepSpeed
     if cfg.checkpoint.auto_resume:
         path, _ = engine.load_checkpoint(cfg.checkpoint.auto_resume)
         if C.rank(group) == 0:
@@ -358,11 +359,20 @@ def _dataloader(data: Any, cfg: ZeroshardConfig, collate_fn: Callable[..., Any] 
                 group: dist.ProcessGroup | None) -> torch.utils.data.DataLoader | None:
     if data is None:
         return None
-    # Resumable: same batches as DistributedSampler, and a position that checkpoints save/restore.
+    if not isinstance(data, torch.utils.data.Dataset) and not hasattr(data, "__getitem__"):
+        raise ConfigError(f"training_data must be a dataset (a torch Dataset or a sequence of samples), got a "
+                          f"{type(data).__name__}; pass a DataLoader you build yourself to your loop instead",
+                          key="training_data")
+    if isinstance(data, torch.utils.data.IterableDataset):
+        raise ConfigError("training_data is an IterableDataset, which has no indices to shard among ranks "
+                          "(DeepSpeed fails on it too); shard it yourself and iterate it in your loop",
+                          key="training_data")
+    # Resumable: same batches as DistributedSampler (which also pads the ranks' shares to equal
+    # length, as DeepSpeed's loader does), and a position that checkpoints save/restore.
     from zeroshard.checkpoint.dataloader import ResumableDataLoader, ResumableDistributedSampler
 
     sampler = ResumableDistributedSampler(data, num_replicas=C.world_size(group), rank=C.rank(group), shuffle=True)
     micro = cfg.train_micro_batch_size_per_gpu
     assert micro is not None  # resolved by load_config
-    return ResumableDataLoader(data, batch_size=micro, sampler=sampler,
-                               collate_fn=collate_fn)
+    return ResumableDataLoader(data, batch_size=micro, sampler=sampler, collate_fn=collate_fn,
+                               drop_last=bool(cfg.dataloader_drop_last))

@@ -74,6 +74,7 @@ class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
     def __init__(self, dataset: Any, batch_size: int, sampler: ResumableDistributedSampler, **kwargs: Any) -> None:
         super().__init__(dataset, batch_size=batch_size, sampler=sampler, **kwargs)
         self._consumed = 0
+        self._next: Iterator[Any] | None = None
 
     @property
     def resumable_sampler(self) -> ResumableDistributedSampler:
@@ -81,7 +82,23 @@ class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
         assert isinstance(self.sampler, ResumableDistributedSampler)
         return self.sampler
 
+    @property
+    def data_sampler(self) -> ResumableDistributedSampler:
+        """The sampler, by DeepSpeed's loader's name (``loader.data_sampler.set_epoch(epoch)``)."""
+        return self.resumable_sampler
+
+    def __next__(self) -> Any:
+        """The next batch, as DeepSpeed's loader, which is its own iterator (``next(loader)``); a
+        ``for`` loop or ``iter(loader)`` starts a pass of its own, and the next ``next`` after it too."""
+        if self._next is None:
+            self._next = self._batches()
+        return next(self._next)
+
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        self._next = None
+        return self._batches()
+
+    def _batches(self) -> Iterator[Any]:
         sampler = self.resumable_sampler
         self._consumed = sampler.start
         step = int(self.batch_size or 1) * sampler.num_replicas

@@ -90,7 +90,6 @@ DEEPSPEED_ONLY: dict[str, Any] = {
     "use_data_before_expert_parallelism": False,
     "managed_gradient_accumulation": True,
     "disable_python_gc": False,
-    "dataloader_drop_last": False,
     "log_level": None,
     "vocabulary_size": ANY_VALUE,
     # zero_optimization

@@ -71,6 +71,7 @@ CONSUMERS: dict[str, str] = {
     "scheduler.type": "initialize.py",
     "scheduler.params": "initialize.py",
     "steps_per_print": "monitor/report.py",
+    "dataloader_drop_last": "initialize.py",
     "wall_clock_breakdown": "engine.py",
     "non_finite_gradients": "engine.py",
     "collective_timeout": "initialize.py",

@@ -103,6 +103,9 @@ class ZeroshardConfig(ConfigModel):
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
     """Explicit data types (gradient accumulation)."""
 
+    dataloader_drop_last: bool = False
+    """Drop each rank's last partial micro batch of an epoch in the loader ``initialize`` builds."""
+
     zero_allow_untested_optimizer: bool = False
     """Allow a client optimizer that ZeRO has not been tested with."""
 

@@ -44,8 +44,8 @@ class ConfigAccessors:
         return self.config.steps_per_print
 
     def dataloader_drop_last(self) -> bool:
-        """Always False (DeepSpeed's default; other values are refused at load)."""
-        return False
+        """``dataloader_drop_last``: whether the loaders drop each rank's last partial micro batch."""
+        return bool(self.config.dataloader_drop_last)
 
     # -- precision --------------------------------------------------------------------------
     def fp16_enabled(self) -> bool:

@@ -236,9 +236,11 @@ class TrainingAPI:
                                                                rank=C.rank(self.group), shuffle=route == "train")
         return torch.utils.data.DataLoader(
             dataset, batch_size=batch_size or int(self.config.train_micro_batch_size_per_gpu or 1),
-            sampler=data_sampler, collate_fn=collate_fn, num_workers=num_local_io_workers or 0,
-            pin_memory=pin_memory and torch.cuda.is_available())
+            sampler=data_sampler, collate_fn=collate_fn if collate_fn is not None else self.collate_fn,
+            num_workers=num_local_io_workers or 0, pin_memory=pin_memory and torch.cuda.is_available(),
+            drop_last=bool(self.config.dataloader_drop_last))
 
+    collate_fn: Callable[..., Any] | None
     is_map_style_dataset: Callable[[Any], bool]
     is_iterable_style_dataset: Callable[[Any], bool]
 
