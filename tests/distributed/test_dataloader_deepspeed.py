@@ -70,3 +70,27 @@ def test_loader_matches_deepspeeds(drop_last: bool) -> None:
     assert ours[0]["eval_keys"] == ["ids"]  # collated by the initialize collate_fn, as DeepSpeed does
     assert ours[0]["epochs"][0] != ours[0]["epochs"][1]  # set_epoch reshuffled
     assert ours[0]["len"] == (2 if drop_last else 3)  # 8 samples per rank in micro batches of 3
+
+
+class Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(torch.arange(8.0).unsqueeze(1))
+
+
+def iterable_worker(rank: int, world: int) -> str:
+    import zeroshard
+
+    model = torch.nn.Linear(1, 1)
+    engine, *_ = zeroshard.initialize(model=model, config={"train_micro_batch_size_per_gpu": 2,
+                                                           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    try:
+        engine.deepspeed_io(Stream())
+    except ValueError as e:
+        return str(e)
+    return "every rank got the whole stream"
+
+
+def test_deepspeed_io_refuses_an_iterable_dataset_it_cannot_shard() -> None:
+    for message in run_distributed(iterable_worker, 2):
+        assert "Stream is an IterableDataset, which cannot be sharded among the 2 ranks" in message
+

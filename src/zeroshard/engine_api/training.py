@@ -231,6 +231,11 @@ class TrainingAPI:
         shuffled, ``route="eval"``/``"predict"`` is not."""
         if not (self.is_map_style_dataset(dataset) or self.is_iterable_style_dataset(dataset)):
             raise ValueError("Training data must be a torch Dataset")
+        if self.is_iterable_style_dataset(dataset) and self.world_size > 1:
+            # No indices to shard: every rank would read the whole stream (DeepSpeed fails here too).
+            raise ValueError(f"deepspeed_io: a {type(dataset).__name__} is an IterableDataset, which cannot be "
+                             f"sharded among the {self.world_size} ranks; shard it yourself (by rank) and build the "
+                             "DataLoader in your script")
         if data_sampler is None and not self.is_iterable_style_dataset(dataset):
             data_sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=self.world_size,
                                                                rank=C.rank(self.group), shuffle=route == "train")
