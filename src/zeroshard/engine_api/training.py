@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -294,10 +294,9 @@ class TrainingAPI:
         all-reduced)."""
         if self.config.zero_optimization.ignore_unused_parameters:
             return
-        unused = set(self.optimizer.sync.unused_params())
-        if not unused:
+        names = self._names_of(self.optimizer.sync.unused_params())
+        if not names:
             return
-        names = [n for n, p in self.module.named_parameters() if p in unused]
         shown = _listed(names, 10)
         raise ConfigError(f"{len(names)} trainable parameter(s) got no gradient on any rank in this accumulation "
                           f"window: {shown}. Use them in the forward, freeze them (requires_grad=False), or set "
@@ -308,16 +307,20 @@ class TrainingAPI:
         ``engine.backward`` (``loss.backward()`` called directly, or a backward for another purpose
         that nothing cleared). Stepping without it would drop what the script may mean to train on,
         adding it would train on what it may mean to discard: an error naming the parameter."""
-        stray = set(self.optimizer.sync.stray_grads())
-        if not stray:
+        names = self._names_of(self.optimizer.sync.stray_grads())
+        if not names:
             return
-        names = [n for n, p in self.module.named_parameters() if p in stray]
         shown = _listed(names, 5)
         raise ZeroshardError(f"engine.step(): {len(names)} trained parameter(s) hold a .grad that no "
                              f"engine.backward() took ({shown}): a backward ran outside engine.backward(). Train "
                              "with engine.backward(loss) (it scales, accumulates and reduces the gradients), and "
                              "clear the gradients of backward passes made for other purposes (an input gradient, "
                              "another model's loss through this one) with module.zero_grad() or engine.zero_grad()")
+
+    def _names_of(self, params: Iterable[torch.nn.Parameter]) -> list[str]:
+        """The module's names of ``params``, in the module's order (for messages)."""
+        wanted = set(params)
+        return [n for n, p in self.module.named_parameters() if p in wanted] if wanted else []
 
     def _check_unfrozen_parameters(self) -> None:
         """A parameter frozen when ``initialize`` ran and given ``requires_grad=True`` since (gradual

@@ -190,7 +190,7 @@ class ParamCoordinator:
         self._lone_state_dicts = rank != 0
         self._lone_warned = False
 
-    def _placeholder_state_dicts(self, module: torch.nn.Module) -> bool:
+    def _placeholder_state_dicts(self) -> bool:
         if self._lone_state_dicts and not self._lone_warned:
             self._lone_warned = True  # info, not a warning: accelerate's recipe does this on every save
             logger.info("zeroshard: rank %d: state_dict() right after a consolidated 16-bit state dict (which "
@@ -200,7 +200,7 @@ class ParamCoordinator:
         return bool(self._placeholders) or self._lone_state_dicts
 
     def _pre_state_dict(self, module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
-        if not self._placeholder_state_dicts(module):
+        if not self._placeholder_state_dicts():
             self.fetch(self.module_units[module], record=False)
 
     def _post_state_dict(self, module: torch.nn.Module, state_dict: dict[str, Any], prefix: str,
