@@ -58,7 +58,8 @@ def loader_worker(rank: int, world: int, lib: str, drop_last: bool) -> dict[str,
     first = next(loader)["ids"].int().tolist()
     second = next(loader)["ids"].int().tolist()
     eval_loader = engine.deepspeed_io(Numbers(8), route="eval")
-    return {"epochs": epochs, "len": len(loader), "next": [first, second],
+    return {"epochs": epochs, "len": len(loader), "len_attr": loader.len, "next": [first, second],
+            "drop_last_attr": loader.dataloader_drop_last,
             "drop_last": engine.dataloader_drop_last(), "eval_keys": sorted(next(iter(eval_loader)))}
 
 

@@ -38,4 +38,6 @@ def test_a_list_of_samples_is_a_dataset(process_group: None) -> None:
                                                 config={"train_micro_batch_size_per_gpu": 2,
                                                         "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     assert sorted(int(v) for batch in loader for v in batch.flatten()) == list(range(6))
+    # DeepSpeed's loader attributes that scripts read; zeroshard loads in the training process.
+    assert (loader.len, loader.num_local_io_workers, loader.dataloader_drop_last) == (3, 0, False)
     engine.destroy()

@@ -87,6 +87,21 @@ class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
         """The sampler, by DeepSpeed's loader's name (``loader.data_sampler.set_epoch(epoch)``)."""
         return self.resumable_sampler
 
+    @property
+    def len(self) -> int:
+        """Batches per epoch, by DeepSpeed's loader's attribute name (``loader.len``)."""
+        return len(self)
+
+    @property
+    def num_local_io_workers(self) -> int:
+        """Worker processes loading batches, by DeepSpeed's name (zeroshard loads in the training process: 0)."""
+        return int(self.num_workers)
+
+    @property
+    def dataloader_drop_last(self) -> bool:
+        """Whether the last partial batch is dropped, by DeepSpeed's loader's attribute name."""
+        return bool(self.drop_last)
+
     def __next__(self) -> Any:
         """The next batch, as DeepSpeed's loader, which is its own iterator (``next(loader)``); a
         ``for`` loop or ``iter(loader)`` starts a pass of its own, and the next ``next`` after it too."""
