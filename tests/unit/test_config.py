@@ -382,6 +382,24 @@ def test_inactive_deepspeed_feature_is_accepted() -> None:
     assert "hybrid_engine" not in to_dict(cfg)
 
 
+@pytest.mark.parametrize("zero", [
+    {"zero_quantized_weights": 0}, {"zero_quantized_gradients": "false"},  # read as bools, as pydantic does
+    {"zero_hpz_partition_size": 0}, {"zero_hpz_partition_size": 1},  # DeepSpeed's hpZ starts above 1
+    {"mics_shard_size": 0}, {"use_multi_rank_bucket_allreduce": 1},
+])
+def test_deepspeeds_off_values_in_its_other_spellings_are_accepted(zero: dict[str, Any]) -> None:
+    """DeepSpeed reads these values as "off" (were refused, with a hint to set the value they had)."""
+    cfg = load_config(_cfg(zero_optimization={"stage": 2, **zero}), 1)
+    assert not set(zero) & set(to_dict(cfg)["zero_optimization"])
+
+
+@pytest.mark.parametrize("zero", [{"zero_quantized_weights": 1}, {"zero_hpz_partition_size": 2},
+                                  {"mics_shard_size": 4}, {"use_multi_rank_bucket_allreduce": "no"}])
+def test_deepspeeds_on_values_stay_refused(zero: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError, match="DeepSpeed feature that zeroshard does not support"):
+        load_config(_cfg(zero_optimization={"stage": 2, **zero}), 1)
+
+
 @pytest.mark.parametrize("value", [True, False])
 def test_memory_efficient_linear_either_way(value: bool) -> None:
     """DeepSpeed-Chat's configs say false (leave F.linear alone); DeepSpeed's default is true (patch it

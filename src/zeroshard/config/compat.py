@@ -11,6 +11,8 @@ import json
 import logging
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
 from zeroshard.errors import ConfigError
 
 __all__ = [
@@ -59,6 +61,16 @@ DISABLED = _Marker("DISABLED")
 ANY_VALUE = _Marker("ANY_VALUE")
 """The key has no effect without another unsupported key; any value is accepted and dropped."""
 
+
+class AtMost:
+    """The key is off at any number up to ``limit`` (DeepSpeed enables the feature above it)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+
+    def __repr__(self) -> str:
+        return f"AtMost({self.limit})"
+
 DEEPSPEED_ONLY: dict[str, Any] = {
     # top-level features
     "pipeline": NEVER,
@@ -96,8 +108,8 @@ DEEPSPEED_ONLY: dict[str, Any] = {
     _Z + "zero_quantized_weights": False,
     _Z + "zero_quantized_nontrainable_weights": False,
     _Z + "zero_quantized_gradients": False,
-    _Z + "zero_hpz_partition_size": 1,
-    _Z + "mics_shard_size": -1,
+    _Z + "zero_hpz_partition_size": AtMost(1),  # DeepSpeed: hpZ when > 1
+    _Z + "mics_shard_size": AtMost(0),  # older DeepSpeed: MiCS when > 0 (0.19.8 refuses the key)
     _Z + "mics_hierarchical_params_gather": False,
     _Z + "zeropp_loco_param": None,
     _Z + "zenflow": None,
@@ -143,15 +155,31 @@ DEEPSPEED_ONLY: dict[str, Any] = {
 """DeepSpeed key paths zeroshard does not implement, mapped to the value under which they are harmless."""
 
 
+def _as_bool(value: Any) -> bool | None:
+    """``value`` read as a bool the way DeepSpeed's (and zeroshard's) pydantic fields read one: 0/1 and
+    "false"/"true"/"off"/"on"... count; None when it is not a bool at all."""
+    try:
+        return bool(_BOOL.validate_python(value))
+    except ValidationError:
+        return None
+
+
+_BOOL: TypeAdapter[bool] = TypeAdapter(bool)
+
+
 def _is_off(value: Any, off: Any) -> bool:
     if off is ANY_VALUE:
         return True
     if off is NEVER:
         return False
     if off is DISABLED:
-        return value is None or value == {} or (isinstance(value, dict) and value.get("enabled") is False)
-    if off is None or isinstance(off, bool):
-        return value is off or (off is None and value is False)
+        return value is None or value == {} or (isinstance(value, dict) and _as_bool(value.get("enabled")) is False)
+    if isinstance(off, AtMost):
+        return isinstance(value, (int, float)) and value <= off.limit
+    if off is None:
+        return value is None or _as_bool(value) is False
+    if isinstance(off, bool):
+        return value is not None and _as_bool(value) is off
     return bool(value == off)
 
 
@@ -160,6 +188,8 @@ def _hint(off: Any) -> str:
         return "remove it"
     if off is DISABLED:
         return 'remove it or set "enabled": false'
+    if isinstance(off, AtMost):
+        return f"remove it or set it to at most {off.limit}"
     return f"remove it or set it to {json.dumps(off)}"
 
 
