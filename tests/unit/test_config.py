@@ -338,6 +338,21 @@ def test_unknown_top_level_key() -> None:
     assert e.value.key == "foo"
 
 
+def test_dotted_top_level_keys_are_ignored_as_deepspeed_does(caplog: pytest.LogCaptureFixture) -> None:
+    """TRL's prepare_deepspeed adds these three to its reference model's ZeRO-3 config; DeepSpeed reads
+    keys from their blocks only, so they change nothing there (were an unknown-key error)."""
+    dotted = {"zero_optimization.reduce_bucket_size": 4096, "zero_optimization.stage3_param_persistence_threshold": 640,
+              "zero_optimization.stage3_prefetch_bucket_size": 0.9 * 4096}
+    with caplog.at_level(logging.WARNING, logger="zeroshard"):
+        cfg = load_config(_cfg(zero_optimization={"stage": 3}, **dotted), 1)
+    assert cfg.zero_optimization.reduce_bucket_size == load_config(_cfg(zero_optimization={"stage": 3}), 1) \
+        .zero_optimization.reduce_bucket_size != 4096
+    assert all(f"'{k}'" in caplog.text for k in dotted)
+    with pytest.raises(ConfigError, match="unknown key") as e:  # not a config path: still the typo error
+        load_config(_cfg(**{"zero_optimization.reduce_bucket_sise": 1}), 1)
+    assert e.value.key == "zero_optimization.reduce_bucket_sise"
+
+
 def test_unknown_nested_key_suggests_closest() -> None:
     with pytest.raises(ConfigError) as e:
         load_config(_cfg(zero_optimization={"stage": 1, "reduce_bucket_sise": 10}), 1)

@@ -11,8 +11,9 @@ import json
 import logging
 from typing import Any
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from zeroshard.config.validation import schema_kind
 from zeroshard.errors import ConfigError
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "DISABLED",
     "NEVER",
     "convert_deprecated_offload",
+    "drop_dotted_keys",
     "normalize_aliases",
     "normalize_path",
     "reject_deepspeed_only",
@@ -238,6 +240,24 @@ def convert_deprecated_offload(raw: dict[str, Any]) -> None:
         zero[block] = {"device": "cpu", **({"pin_memory": pin} if pin is not None else {})}
         logger.warning("zeroshard: config: '%s%s: true' is deprecated (in DeepSpeed too); read as '%s%s': %s",
                        _Z, key, _Z, block, json.dumps(zero[block]))
+
+
+def drop_dotted_keys(raw: dict[str, Any], root: type[BaseModel]) -> None:
+    """Drop top-level keys that spell a nested key as a dotted path (``"zero_optimization.reduce_bucket_size"``),
+    with a warning naming them (in place).
+
+    DeepSpeed reads nested blocks only and ignores such keys, so a config carrying them trains there as
+    if they were absent; TRL's ``prepare_deepspeed`` adds three of them to the ZeRO-3 config of every
+    reference or teacher model it builds (DPO, KTO, GRPO). zeroshard trains as DeepSpeed does and says
+    so. A dotted key that is not a config path stays, and is the unknown-key error.
+    """
+    dotted = [k for k in raw if isinstance(k, str) and "." in k
+              and (schema_kind(root, normalize_path(k)) is not None or normalize_path(k) in DEEPSPEED_ONLY)]
+    for key in dotted:
+        del raw[key]
+    if dotted:
+        logger.warning("zeroshard: config: ignoring %s, as DeepSpeed does: a key is read from its block "
+                       "(write it nested to apply it)", ", ".join(f"'{k}'" for k in dotted))
 
 
 def normalize_aliases(raw: dict[str, Any]) -> None:

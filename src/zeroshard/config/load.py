@@ -15,7 +15,12 @@ from pydantic import ValidationError
 
 from zeroshard.config.autos import check_auto_values_agree, normalize_auto_values, resolve_autos
 from zeroshard.config.batch import resolve_batch_sizes
-from zeroshard.config.compat import convert_deprecated_offload, normalize_aliases, reject_deepspeed_only
+from zeroshard.config.compat import (
+    convert_deprecated_offload,
+    drop_dotted_keys,
+    normalize_aliases,
+    reject_deepspeed_only,
+)
 from zeroshard.config.schema import ZeroshardConfig
 from zeroshard.config.support import check_supported
 from zeroshard.config.validation import check_json_data, config_error_from_validation
@@ -146,6 +151,7 @@ def load_config(
         raw = config.model_dump()
     else:
         raw = read_config(config)
+    drop_dotted_keys(raw, ZeroshardConfig)
     normalize_aliases(raw)
     convert_deprecated_offload(raw)
     reject_deepspeed_only(raw)
