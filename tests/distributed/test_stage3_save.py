@@ -247,7 +247,9 @@ def dschat_save_worker(rank: int, world: int) -> dict:
     params = list(engine.module.named_parameters())
     out: dict = {"tagged": all(hasattr(p, "ds_id") for _, p in params),
                  "ids_unique": len({p.ds_id for _, p in params}) == len(params),
-                 "status_at_rest": sorted({p.ds_status.name for _, p in params})}
+                 "status_at_rest": sorted({p.ds_status.name for _, p in params}),
+                 # Lightning's ZeRO-3 model summary counts parameters per device with partition_numel()
+                 "partition_numel": {n: (p.partition_numel(), p.ds_numel) for n, p in params}}
     saved = {}
     for name, p in params:
         fetch = [q for q in [p] if hasattr(q, "ds_id") and q.ds_status == Status.NOT_AVAILABLE]
@@ -265,6 +267,8 @@ def test_partitioned_parameters_carry_deepspeed_attributes() -> None:
         assert r["tagged"] and r["ids_unique"], rank
         assert r["status_at_rest"] == ["NOT_AVAILABLE"], r["status_at_rest"]
         assert set(r["status_inside"]) == {"AVAILABLE"}, r["status_inside"]
+        # DeepSpeed's padded chunk: ceil(numel / world) elements on every rank
+        assert all(part == -(-numel // 2) for part, numel in r["partition_numel"].values()), r["partition_numel"]
         if rank == 0:
             assert r["saved"].keys() == r["want"].keys()
             assert all(torch.equal(r["saved"][n], t) for n, t in r["want"].items())

@@ -79,7 +79,7 @@ def _partitioned(model: torch.nn.Module, world: int, frozen_only: bool = False) 
             return False
         if p.ds_numel != full_shape(p).numel():
             return False
-        if chunk.numel() > -(-p.ds_numel // world):
+        if chunk.numel() > -(-p.ds_numel // world) or p.partition_numel() != -(-p.ds_numel // world):
             return False
     return True
 

@@ -138,10 +138,10 @@ class ParamUnit:
     def adopt(self) -> None:
         """Take over the unit's parameters once its shard holds their values: placeholders from now
         on. The module's full tensors are the caller's: dropped, not freed under it."""
-        for p, shape in zip(self.params, self.shapes):
+        for p, shape, layout in zip(self.params, self.shapes, self.bucket.layouts):
             setattr(p, UNIT_ATTR, self)
             setattr(p, SHAPE_ATTR, shape)
-            tag_deepspeed(p, shape)  # ``hasattr(p, "ds_id")``: how scripts tell a ZeRO-3 parameter
+            tag_deepspeed(p, shape, layout.world)  # ``hasattr(p, "ds_id")``: how scripts tell a ZeRO-3 parameter
             if hasattr(p, INIT_CHUNK_ATTR):
                 delattr(p, INIT_CHUNK_ATTR)  # a zero.Init chunk, copied into (or adopted as) the shard
         self.state = UnitState.GATHERED

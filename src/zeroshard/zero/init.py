@@ -9,6 +9,7 @@ the whole model; other stages gather the chunks back into full parameters.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections.abc import Callable
@@ -107,7 +108,7 @@ class Init:
                                           requires_grad=lazy.requires_grad)
                 setattr(real, SHARD_ATTR, core.chunk)
                 setattr(real, SHAPE_ATTR, core.shape)
-                tag_deepspeed(real, core.shape)
+                tag_deepspeed(real, core.shape, self._session.world)
                 converted[id(lazy.core)] = real
             module._parameters[name] = converted[id(lazy.core)]
         n = sum(int(torch.Size(getattr(p, SHAPE_ATTR)).numel()) for p in converted.values())
@@ -118,18 +119,21 @@ class Init:
 
 #: DeepSpeed's attributes of a partitioned parameter, which Hugging Face code reads (``ds_numel`` in the
 #: Trainer's parameter count, ``hasattr(p, "ds_id")`` as a ZeRO-3 test).
-_DS_ATTRS = ("ds_id", "ds_numel", "ds_shape", "ds_status")
+_DS_ATTRS = ("ds_id", "ds_numel", "ds_shape", "ds_status", "partition_numel")
 #: ``ds_id`` is unique over the process, as DeepSpeed's (code keys tied weights by it): one counter for all blocks.
 _ds_ids = itertools.count()
 
 
-def tag_deepspeed(p: torch.nn.Parameter, shape: torch.Size) -> None:
-    """Give a partitioned parameter DeepSpeed's ``ds_id`` (once: it keeps the one ``zero.Init`` gave),
-    ``ds_shape`` and ``ds_numel``."""
+def tag_deepspeed(p: torch.nn.Parameter, shape: torch.Size, world: int) -> None:
+    """Give a parameter partitioned over ``world`` ranks DeepSpeed's ``ds_id`` (once: it keeps the one
+    ``zero.Init`` gave), ``ds_shape``, ``ds_numel`` and ``partition_numel()`` (the padded chunk each rank
+    holds, as DeepSpeed's; Lightning's model summary at ZeRO-3 counts parameters per device with it)."""
     if not hasattr(p, "ds_id"):
         p.ds_id = next(_ds_ids)  # type: ignore[attr-defined]
     p.ds_shape = torch.Size(shape)  # type: ignore[attr-defined]
     p.ds_numel = int(torch.Size(shape).numel())  # type: ignore[attr-defined]
+    # a partial of int, not a lambda: it is called like DeepSpeed's method and still pickles with the parameter
+    p.partition_numel = functools.partial(int, ShardLayout(p.ds_numel, world).shard_numel)  # type: ignore[attr-defined]
 
 
 def _gather_chunk(p: torch.nn.Parameter, group: dist.ProcessGroup | None) -> torch.Tensor:
