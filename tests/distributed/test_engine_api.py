@@ -107,6 +107,18 @@ def _utils_checks(engine: Any) -> dict[str, Any]:
     out["fp32"] = {n: utils.safe_get_full_fp32_param(p) for n, p in named.items()}
     out["exp_avg"] = {n: utils.safe_get_full_optimizer_state(p, "exp_avg") for n, p in named.items()}
     out["local_numel"] = sum(utils.safe_get_local_fp32_param(p).numel() for p in named.values())
+    # engine.optimizer.state_dict(): this rank's part (as DeepSpeed's), the same values as the accessors
+    sd = engine.optimizer.state_dict()
+
+    def same_values(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:  # as multisets: orders differ
+        return bool(torch.equal(torch.cat([t.reshape(-1) for t in a]).sort().values,
+                                torch.cat([t.reshape(-1) for t in b]).sort().values))
+
+    out["state_dict"] = {
+        "meta": (sd["zero_stage"], sd["partition_count"], sd["rank"]),
+        "masters": same_values(sd["fp32_master_shard"], [utils.safe_get_local_fp32_param(p) for p in named.values()]),
+        "exp_avg": same_values([st["exp_avg"] for st in sd["base_optimizer_state"]["state"].values()],
+                               [utils.safe_get_local_optimizer_state(p, "exp_avg") for p in named.values()])}
     p = named["out.bias"]
     value = torch.arange(5, dtype=torch.float32) / 7  # out.bias has 5 elements
     utils.safe_set_full_fp32_param(p, value)
@@ -236,6 +248,10 @@ def test_safe_get_accessors_match_plain_torch(api_results: list[dict[str, Any]],
             torch.testing.assert_close(r["grads"][n], ref, rtol=FP32_TOL, atol=1e-7, msg=f"grad {n}")
             torch.testing.assert_close(r["exp_avg"][n], exp_avg[n], rtol=FP32_TOL, atol=1e-8, msg=f"exp_avg {n}")
         assert r["set_get"] and r["set_module"]
+        assert r["state_dict"]["masters"] and r["state_dict"]["exp_avg"]
+    partitions = 1 if stage == 0 else 2
+    assert [api_results[rank][stage]["state_dict"]["meta"] for rank in (0, 1)] == [(stage, partitions, 0),
+                                                                                    (stage, partitions, 1)]
     for n in grads:
         assert torch.equal(api_results[0][stage]["fp32"][n], api_results[1][stage]["fp32"][n])
     local = [api_results[rank][stage]["local_numel"] for rank in (0, 1)]

@@ -468,3 +468,17 @@ def test_repeating_loader_and_set_random_seed() -> None:
     a = (torch.rand(2), __import__("random").random())
     set_random_seed(7)
     assert torch.equal(a[0], torch.rand(2)) and a[1] == __import__("random").random()
+
+
+def test_base_optimizer_names_are_zeroshards_optimizer() -> None:
+    """Lightning Fabric's DeepSpeed ``load_checkpoint`` imports ``deepspeed.runtime.base_optimizer`` and
+    restores the optimizer state only if an object in the state is a ``DeepSpeedOptimizer``: the module
+    was missing (ModuleNotFoundError)."""
+    _run("""
+        import zeroshard.compat.deepspeed as layer
+        layer.enable(shadow=True)
+        from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer, ZeROOptimizer
+        from zeroshard.stages.stage3 import Stage3Optimizer
+        from zeroshard.stages.zero_optimizer import ZeroOptimizer
+        assert issubclass(Stage3Optimizer, DeepSpeedOptimizer) and issubclass(ZeroOptimizer, ZeROOptimizer)
+    """)

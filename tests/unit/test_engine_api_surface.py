@@ -149,9 +149,9 @@ def test_unknown_initialize_keyword_is_an_error() -> None:
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_optimizer_attributes_scripts_read(stage: int, process_group: None) -> None:
-    """``engine.optimizer`` answers DeepSpeed's ZeRO-optimizer names for the loss scale, and its
-    ``state_dict`` / ``load_state_dict`` (per-rank in DeepSpeed) are errors naming the checkpoint API
-    instead of ``AttributeError``s."""
+    """``engine.optimizer`` answers DeepSpeed's ZeRO-optimizer names for the loss scale; its
+    ``state_dict`` is this rank's part, as DeepSpeed's (Lightning builds it while saving a checkpoint:
+    it was an error), and ``load_state_dict`` an error naming the checkpoint API."""
     model = torch.nn.Linear(4, 2)
     engine, optimizer, _, _ = zeroshard.initialize(model=model, config={
         "train_batch_size": 2, "fp16": {"enabled": True, "initial_scale_power": 8},
@@ -160,8 +160,10 @@ def test_optimizer_attributes_scripts_read(stage: int, process_group: None) -> N
     assert optimizer.cur_scale == optimizer.loss_scale == engine.cur_scale == 256.0
     optimizer.cur_scale = 64.0  # DeepSpeed's properties have setters too
     assert engine.cur_scale == optimizer.loss_scale == 64.0
-    with pytest.raises(NotYetSupportedError, match=r"optimizer\.state_dict.*engine\.save_checkpoint"):
-        optimizer.state_dict()
+    sd = optimizer.state_dict()
+    assert (sd["zero_stage"], sd["partition_count"], sd["rank"], sd["loss_scaler"]["scale"]) == (stage, 1, 0, 64.0)
+    assert sorted(t.numel() for t in sd["fp32_master_shard"]) == [2, 8]  # the weight and the bias, whole
+    assert sd["base_optimizer_state"]["param_groups"][0]["lr"] == 1e-3
     with pytest.raises(NotYetSupportedError, match=r"optimizer\.load_state_dict.*engine\.load_checkpoint"):
         optimizer.load_state_dict({})
     engine.destroy()

@@ -40,6 +40,7 @@ class Entry:
 
 
 _ENGINE = "zeroshard.engine:ZeroEngine"
+_ZERO_OPTIMIZER = "zeroshard.stages.zero_optimizer:ZeroOptimizer"
 _OPS = "zeroshard.compat.ds_ops"
 
 
@@ -95,6 +96,10 @@ MODULES: dict[str, Entry] = {
     "deepspeed.ops.lion": Entry(names=_ops("DeepSpeedCPULion", "FusedLion")),
     "deepspeed.runtime": Entry(forward=("zeroshard.runtime",)),
     "deepspeed.runtime.engine": Entry(names={"DeepSpeedEngine": _ENGINE}),
+    # the bases of DeepSpeed's ZeRO optimizers, for isinstance tests (Lightning Fabric's load_checkpoint
+    # asks whether the state holds an optimizer with them): zeroshard's one optimizer class at every stage
+    "deepspeed.runtime.base_optimizer": Entry(names={"DeepSpeedOptimizer": _ZERO_OPTIMIZER,
+                                                     "ZeROOptimizer": _ZERO_OPTIMIZER}),
     "deepspeed.runtime.config": Entry(names={"DeepSpeedConfig": "zeroshard:DeepSpeedConfig"},
                                       placeholders=frozenset({"DeepSpeedConfig"})),
     "deepspeed.runtime.utils": Entry(names=_misc("see_memory_usage", "set_random_seed")),

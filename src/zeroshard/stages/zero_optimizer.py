@@ -218,17 +218,30 @@ class ZeroOptimizer:
     loss_scale = property(_get_loss_scale, _set_loss_scale)
 
     def state_dict(self) -> dict[str, Any]:
-        """Not supported: this rank's optimizer state is a shard (at some stages in host memory or
-        swap files), and a per-rank state dict would reload only at the same world size and stage.
+        """This rank's part of the optimizer, as DeepSpeed's ZeRO optimizers return theirs (frameworks
+        call it while saving: Lightning's ``Trainer.save_checkpoint`` builds it, then saves through
+        ``engine.save_checkpoint``): ``zero_stage``, ``partition_count`` (ranks sharing the state), ``rank``,
+        ``base_optimizer_state`` (the torch optimizer's state dict over this rank's flat fp32 master
+        views, entries read from swap files when offloaded to NVMe), ``fp32_master_shard`` (those
+        views' values, in the same order) and ``loss_scaler``.
 
-        Raises:
-            NotYetSupportedError: always, naming ``engine.save_checkpoint`` instead.
+        In memory the tensors are the live ones, not copies (as DeepSpeed's). It is a view of one rank
+        at one world size and stage, so :meth:`load_state_dict` does not take it back;
+        ``engine.save_checkpoint`` is the form that reloads (at any world size and stage).
         """
-        raise _use_checkpoints("state_dict", "save it with engine.save_checkpoint(dir), which reloads at any "
-                               "world size and stage")
+        masters = [m for g in self._inner.param_groups for m in g["params"]]
+        index = {id(m): i for i, m in enumerate(masters)}
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(m)] for m in g["params"]]}
+                  for g in self._inner.param_groups]
+        state = {i: self.store.state(m) for i, m in enumerate(masters) if self.store.has_state(m)}
+        partitions = self.buckets[0].layouts[0].world if self.buckets else 1  # 1 at stage 0: nothing sharded
+        return {"zero_stage": self.spec.stage, "partition_count": partitions, "rank": self.rank,
+                "base_optimizer_state": {"state": state, "param_groups": groups},
+                "fp32_master_shard": [self.store.master_values(m) for m in masters],
+                "loss_scaler": self.scaler.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Not supported (see :meth:`state_dict`).
+        """Not supported: :meth:`state_dict` is one rank's view at one world size and stage.
 
         Raises:
             NotYetSupportedError: always, naming ``engine.load_checkpoint`` instead.
