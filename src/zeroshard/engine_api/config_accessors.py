@@ -345,11 +345,6 @@ class ConfigAccessors:
         """Always False."""
         return False
 
-    @property
-    def is_compiled(self) -> bool:
-        """Always False: the engine is not compiled."""
-        return False
-
     def managed_gradient_accumulation(self) -> bool:
         """Always True: the engine counts micro-steps."""
         return True

@@ -249,6 +249,38 @@ class TrainingAPI:
     is_map_style_dataset: Callable[[Any], bool]
     is_iterable_style_dataset: Callable[[Any], bool]
 
+    # -- compilation -------------------------------------------------------------------------------------
+    def compile(self, backend: str = "inductor", compile_kwargs: dict[str, Any] | None = None,
+                schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
+        """``torch.compile`` the module in place (``nn.Module.compile``), as DeepSpeed's ``engine.compile``
+        does without DeepCompile; accelerate calls it for ``dynamo_backend`` and the HF Trainer for
+        ``torch_compile=True``. The ZeRO hooks run eagerly between the compiled regions, as when the
+        model is compiled before ``initialize``. A second call is a no-op, as in DeepSpeed.
+
+        Raises:
+            NotYetSupportedError: for a DeepCompile ``schedule`` or ``compiled_autograd_enabled``.
+        """
+        if schedule is not None:
+            raise NotYetSupportedError("engine.compile(schedule=...): DeepCompile schedules are not supported; "
+                                       "call engine.compile() without one (plain torch.compile)", key="compile")
+        if compiled_autograd_enabled:
+            raise NotYetSupportedError("engine.compile(compiled_autograd_enabled=True): compiled autograd is not "
+                                       "supported (ZeRO's gradient hooks run eagerly)", key="compile")
+        if self.is_compiled:
+            return
+        kwargs = dict(compile_kwargs or {})
+        if "backend" in kwargs:
+            logger.warning("engine.compile: the `backend` in `compile_kwargs` is overridden by the `backend` argument")
+        logger.info("zeroshard: compiling the module with torch.compile (backend=%s)", backend)
+        self.module.compile(**{**kwargs, "backend": backend})
+        self._is_compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether :meth:`compile` compiled the module (a model compiled before ``initialize`` is the
+        user's, as in DeepSpeed: False)."""
+        return bool(getattr(self, "_is_compiled", False))
+
     # -- resources ---------------------------------------------------------------------------------------
     def get_wall_clock_timers(self) -> dict[str, float]:
         """Seconds per timer since the last report (``wall_clock_breakdown``; empty when off)."""

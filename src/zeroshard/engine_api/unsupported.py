@@ -14,7 +14,8 @@ from zeroshard.errors import NotYetSupportedError
 
 _DATA_EFFICIENCY = "DeepSpeed's data-efficiency library (curriculum learning, random-LTD) is not supported"
 _AUTOTUNING = "autotuning is not supported"
-_COMPILE = "DeepCompile / engine.compile() is not supported; compile the model with torch.compile before initialize()"
+_COMPILE = ("DeepCompile is not supported; engine.compile() (plain torch.compile of the module) or torch.compile "
+            "before initialize() compiles the model")
 _OFFLOAD = ("moving optimizer state and parameters to host memory between training phases is not supported; "
             "zeroshard offloads as the config's offload_optimizer and offload_param blocks say")
 _REDUCE = ("DeepSpeed's internal gradient-reduction helpers are not exposed: zeroshard reduces gradients inside "
@@ -58,7 +59,6 @@ NOT_YET_SUPPORTED: dict[str, str] = {
               "scales the loss and drives the gradient reduction"),
     "clip_fp32_gradients": "gradients are clipped inside engine.step() (gradient_clipping)",
     "load_moe_state_dict": "mixture-of-experts layers are not supported",
-    "compile": _COMPILE,
     "get_autosp_backend": _COMPILE,
     "get_autotp_backend": _COMPILE,
     "get_deepcompile_backend": _COMPILE,
