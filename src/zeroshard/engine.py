@@ -372,5 +372,11 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
 
         result = load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                  load_lr_scheduler_states, load_module_only)
-        self._new_window()  # the loaded step starts a whole window (see checkpoint/load.py)
+        if result[0] is not None:
+            # The loaded step starts a whole window (see checkpoint/load.py): gradients and losses of a
+            # window in progress here belong to the training being replaced, not to the first step after it.
+            self.zero_grad()
+            self._window_loss.zero_()
+            self._window_count = 0
+        self._new_window()
         return result

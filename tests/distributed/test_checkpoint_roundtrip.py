@@ -224,7 +224,11 @@ def load_worker(rank: int, world: int, root: str) -> dict[str, dict[str, torch.T
         # One engine per stage loads every checkpoint in turn: each load must fully replace the
         # weights, optimizer state, scheduler and counters left by the previous one.
         engine, *_ = zeroshard.initialize(model=make_model(1), config=config(stage))
+        x, y = make_data(1, GLOBAL_BATCH)
         for src_stage, src_world in sources(stage, world):
+            # Half a window of gradients pending: the load must drop them (they went into the next step)
+            engine.backward(engine(*(micro_batch(t, 0, 0, rank, world, GLOBAL_BATCH // (GA * world)) for t in (x, y))))
+            engine.step()
             _, client = engine.load_checkpoint(ckpt_dir(root, src_stage, src_world))
             assert engine.global_steps == K and engine.micro_steps == K * GA, engine.global_steps
             assert client["note"] == "k"
