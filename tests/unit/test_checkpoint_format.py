@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -71,6 +72,15 @@ def test_json_encoding_round_trip_and_refusal() -> None:
     assert torch.equal(back[3][0], torch.arange(2)) and back[3][1] == {"__tensor__": "x"}
     with pytest.raises(CheckpointError, match=r"client_state\['k'\]\[1\] holds a pathlib"):
         encode({"k": [1, Path("/")]}, table, "client_state")
+    # numpy scalars as the numbers they are (a numpy bool from `loss < best` was refused)
+    assert encode({"best": np.bool_(True), "n": np.int64(3), "x": np.float32(0.5)}, table, "c") == \
+        {"best": True, "n": 3, "x": 0.5}
+    # tensors no file can hold: refused while encoding, before any write, naming where they are
+    # (a sparse one failed inside the writer with torch's "unsupported memory format option")
+    with pytest.raises(CheckpointError, match=r"client_state\['m'\] is a torch.sparse_coo tensor"):
+        encode({"m": torch.eye(2).to_sparse()}, table, "client_state")
+    with pytest.raises(CheckpointError, match=r"client_state\['z'\]: dtype torch.complex64"):
+        encode({"z": torch.zeros(2, dtype=torch.complex64)}, table, "client_state")
 
 
 def _complete(d: Path) -> None:

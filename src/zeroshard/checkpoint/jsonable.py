@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from zeroshard.checkpoint.safetensors_io import dtype_code
 from zeroshard.errors import CheckpointError
 
 TENSOR, TUPLE, ITEMS = "__tensor__", "__tuple__", "__items__"
@@ -44,11 +45,20 @@ def encode(obj: Any, table: TensorTable, where: str) -> Any:
     """
     if obj is None or isinstance(obj, (bool, str)):
         return obj
+    if _is_numpy_bool(obj):  # `loss < best` on numpy values: stored as the bool it is, as numpy's ints are ints
+        return bool(obj)
     if isinstance(obj, numbers.Integral):
         return int(obj)
     if isinstance(obj, numbers.Real):
         return float(obj)  # NaN and infinities are written as Python's json writes them
     if isinstance(obj, torch.Tensor):
+        if obj.layout != torch.strided:  # refused here, before anything is written, naming where it is
+            raise CheckpointError(f"{where} is a {obj.layout} tensor, which a checkpoint cannot store; "
+                                  "store it dense (.to_dense())")
+        try:
+            dtype_code(obj.dtype)
+        except CheckpointError as e:
+            raise CheckpointError(f"{where}: {e}") from None
         return {TENSOR: table.add(obj)}
     if isinstance(obj, list):
         return [encode(v, table, f"{where}[{i}]") for i, v in enumerate(obj)]
@@ -63,6 +73,10 @@ def encode(obj: Any, table: TensorTable, where: str) -> Any:
         f"{where} holds a {type(obj).__module__}.{type(obj).__qualname__}, which a checkpoint cannot store "
         "without pickle; keep it to dicts, lists, tuples, strings, numbers, booleans, None and tensors"
     )
+
+
+def _is_numpy_bool(obj: Any) -> bool:
+    return type(obj).__module__ == "numpy" and type(obj).__name__ in ("bool", "bool_")
 
 
 def decode(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
