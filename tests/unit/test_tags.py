@@ -17,7 +17,7 @@ from models import make_model
 
 import zeroshard
 from zeroshard.checkpoint import atomic, paths
-from zeroshard.checkpoint.tags import SCRIPT_NAME, check_tag
+from zeroshard.checkpoint.tags import SCRIPTS, check_tag
 from zeroshard.errors import CheckpointError
 
 CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0,
@@ -73,17 +73,25 @@ def test_save_and_load_under_the_tag_latest(tmp_path: Path, process_group: None)
     assert all(torch.equal(a, b) for a, b in zip(fresh.module.parameters(), engine.module.parameters()))
 
 
-def test_recovery_script_consolidates_the_folder(tmp_path: Path, process_group: None) -> None:
+def test_recovery_scripts_consolidate_the_folder(tmp_path: Path, process_group: None) -> None:
+    """DeepSpeed 0.19.8 leaves zero_to_fp32.py and zero_to_torch.py (``--dtype``) in every checkpoint
+    folder (zero_to_torch.py was missing)."""
     engine = _trained_engine(stage=2)
     engine.save_checkpoint(tmp_path / "ckpt")
-    script = tmp_path / "ckpt" / SCRIPT_NAME
-    assert script.is_file() and os.access(script, os.X_OK)
-    subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt"), str(tmp_path / "out")], check=True,
-                   timeout=120, capture_output=True)
-    got = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
-    want = zeroshard.get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt")
-    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
-    assert all(torch.equal(got[n], p.float()) for n, p in engine.module.named_parameters())
+    for name, extra, dtype in (("zero_to_fp32.py", [], torch.float32), ("zero_to_torch.py", ["--dtype", "bf16"],
+                                                                         torch.bfloat16)):
+        script = tmp_path / "ckpt" / name
+        assert script.is_file() and os.access(script, os.X_OK)
+        out = tmp_path / f"out-{name}"
+        subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt"), str(out), *extra], check=True,
+                       timeout=120, capture_output=True)
+        got = torch.load(out / "pytorch_model.bin", weights_only=True)
+        want = zeroshard.get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt")
+        assert list(got) == list(want) and all(torch.equal(got[k], want[k].to(dtype)) for k in want), name
+        assert all(torch.equal(got[n], p.to(dtype)) for n, p in engine.module.named_parameters())
+    # the top-level name takes DeepSpeed's keyword arguments too (it lacked exclude_frozen_parameters)
+    assert zeroshard.get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt", exclude_frozen_parameters=True,
+                                                              lazy_mode=True).keys() == want.keys()
 
 
 def tag_worker(rank: int, world: int, root: str) -> dict:
@@ -107,7 +115,7 @@ def tag_worker(rank: int, world: int, root: str) -> dict:
 def test_tag_validation_modes(tmp_path: Path) -> None:
     for rank, got in enumerate(run_distributed(tag_worker, 2, str(tmp_path), timeout=300)):
         for mode, warned in (("Warn", True), ("Ignore", False)):  # saved under rank 0's tag
-            assert got[mode] == ["latest", "step1-rank0", SCRIPT_NAME], (rank, mode, got[mode])
+            assert got[mode] == sorted(["latest", "step1-rank0", *SCRIPTS]), (rank, mode, got[mode])
             assert got[f"{mode} warned"] is warned, (rank, mode)
         assert "tag_validation is 'Fail'" in got["Fail"] and "ranks [1] differ" in got["Fail"], got["Fail"]
     assert not (tmp_path / "Fail").exists()

@@ -77,20 +77,26 @@ def iter_consolidated(src: CheckpointSource, dtype: torch.dtype | None = None) -
         yield name, t.to(dtype or torch.float32) if t.is_floating_point() else t
 
 
-def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | Path,
-                                             tag: str | None = None) -> dict[str, torch.Tensor]:
+def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | Path, tag: str | None = None,
+                                             exclude_frozen_parameters: bool = False,
+                                             lazy_mode: bool = False) -> dict[str, torch.Tensor]:
     """The full fp32 state dict of a zeroshard or DeepSpeed ZeRO checkpoint, on CPU.
 
     Args:
         checkpoint_dir: the directory holding ``latest`` and the tag directories (or a tag directory).
         tag: the tag to read; default: the one named by ``checkpoint_dir/latest``.
+        exclude_frozen_parameters: leave out parameters that were not trained.
+        lazy_mode: accepted for DeepSpeed's signature; tensors are returned materialized (their
+            ``.contiguous()``, which DeepSpeed's lazy tensors need, works on them as well).
 
     Returns:
-        Parameter and buffer names (tied parameters under every name) to tensors, ready for
-        ``model.load_state_dict``.
+        Parameter and buffer names (tied parameters under every name, as DeepSpeed's) to tensors,
+        ready for ``model.load_state_dict``.
     """
+    del lazy_mode
     with _open(checkpoint_dir, tag) as src:
-        out = dict(iter_consolidated(src))
+        skip = set(src.frozen) if exclude_frozen_parameters else set()
+        out = {name: t for name, t in iter_consolidated(src) if name not in skip}
         for alias, name in src.aliases.items():
             if name in out:
                 out[alias] = out[name]

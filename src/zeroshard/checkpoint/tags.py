@@ -29,22 +29,27 @@ from zeroshard.errors import CheckpointError
 
 logger = logging.getLogger("zeroshard")
 
-SCRIPT_NAME = "zero_to_fp32.py"
-SCRIPT = '''#!/usr/bin/env python
-"""Consolidate the checkpoints in this folder into fp32 weights (written by zeroshard, as DeepSpeed's).
+def _script(name: str, usage: str, what: str) -> str:
+    return f'''#!/usr/bin/env python
+"""Consolidate the checkpoints in this folder into {what} weights (written by zeroshard, as DeepSpeed's).
 
-    python zero_to_fp32.py . OUTPUT_DIR [-t TAG] [--safe_serialization] [--max_shard_size 5GB]
+    python {name}.py . OUTPUT_DIR {usage}[-t TAG] [--safe_serialization] [--max_shard_size 5GB]
 
-The work is done by zeroshard.utils.zero_to_fp32, which reads zeroshard and DeepSpeed checkpoints.
+The work is done by zeroshard.utils.{name}, which reads zeroshard and DeepSpeed checkpoints.
 """
 import sys
 
-from zeroshard.utils.zero_to_fp32 import *  # noqa: F401,F403  (DeepSpeed's functions, for importers)
-from zeroshard.utils.zero_to_fp32 import main
+from zeroshard.utils.{name} import *  # noqa: F401,F403  (DeepSpeed's functions, for importers)
+from zeroshard.utils.{name} import main
 
 if __name__ == "__main__":
     sys.exit(main())
 '''
+
+
+#: the scripts DeepSpeed 0.19.8 leaves in every checkpoint folder, by file name
+SCRIPTS = {"zero_to_fp32.py": _script("zero_to_fp32", "", "fp32"),
+           "zero_to_torch.py": _script("zero_to_torch", "--dtype bf16 ", "fp32, fp16 or bf16")}
 
 
 def _digest(tag: str) -> int:
@@ -95,12 +100,14 @@ def check_tag(tag: str, root: Path, save_latest: bool) -> str:
 
 
 def write_recovery_script(root: Path) -> None:
-    """Rank 0: ``root/zero_to_fp32.py``, executable, unless it is already there with this content."""
-    path = root / SCRIPT_NAME
-    try:
-        if path.is_file() and path.read_text() == SCRIPT:
-            return
-        write_file_atomic(path, SCRIPT.encode())
-        os.chmod(path, os.stat(path).st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-    except OSError as e:  # the checkpoint is saved; the convenience script is not essential
-        logger.warning("could not write %s: %s", path, e)
+    """Rank 0: ``root/zero_to_fp32.py`` and ``root/zero_to_torch.py``, executable, unless already there
+    with this content."""
+    for name, text in SCRIPTS.items():
+        path = root / name
+        try:
+            if path.is_file() and path.read_text() == text:
+                continue
+            write_file_atomic(path, text.encode())
+            os.chmod(path, os.stat(path).st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+        except OSError as e:  # the checkpoint is saved; the convenience scripts are not essential
+            logger.warning("could not write %s: %s", path, e)

@@ -73,6 +73,7 @@ MODULES: dict[str, Entry] = {
          "safe_get_full_grad", "safe_set_full_fp32_param", "safe_get_full_optimizer_state"})),
     "deepspeed.utils.timer": Entry(forward=("zeroshard.monitor.ds_timers",)),
     "deepspeed.utils.zero_to_fp32": Entry(forward=("zeroshard.utils.zero_to_fp32",)),
+    "deepspeed.utils.zero_to_torch": Entry(forward=("zeroshard.utils.zero_to_torch",)),
     "deepspeed.utils.module_utils": Entry(names=_misc("recursive_getattr", "recursive_setattr")),
     "deepspeed.utils.groups": Entry(placeholders=frozenset(
         {"_get_sequence_parallel_group", "_get_sequence_parallel_world_size", "_get_sequence_parallel_rank"})),

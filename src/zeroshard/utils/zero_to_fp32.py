@@ -32,6 +32,7 @@ from zeroshard.checkpoint.consolidate import (
     _open,
     _plan,
     _spec,
+    get_fp32_state_dict_from_zero_checkpoint,
     load_state_dict_from_zero_checkpoint,
     parse_size,
 )
@@ -51,29 +52,6 @@ def _dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, str) and dtype.lower().replace("torch.", "") in _DTYPES:
         return _DTYPES[dtype.lower().replace("torch.", "")]
     raise ValueError(f"unsupported output dtype {dtype!r}: use float32, bfloat16 or float16")
-
-
-def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | Path, tag: str | None = None,
-                                             exclude_frozen_parameters: bool = False,
-                                             lazy_mode: bool = False) -> dict[str, torch.Tensor]:
-    """The consolidated fp32 state dict (on CPU) of a zeroshard or DeepSpeed ZeRO checkpoint.
-
-    Args:
-        checkpoint_dir: the folder holding ``latest`` and the tag folders (or a tag folder).
-        tag: the tag to read; default: the one named by ``checkpoint_dir/latest``.
-        exclude_frozen_parameters: leave out parameters that were not trained.
-        lazy_mode: accepted for DeepSpeed's signature; tensors are returned materialized (their
-            ``.contiguous()``, which DeepSpeed's lazy tensors need, works on them as well).
-    """
-    del lazy_mode
-    with _open(checkpoint_dir, tag) as src:
-        skip = set(src.frozen) if exclude_frozen_parameters else set()
-        out = {n: _as(src.read_full(n), torch.float32) for n in _names(src) if n not in skip}
-        for alias, name in src.aliases.items():  # tied parameters under every name, as DeepSpeed's
-            if name in out:
-                out[alias] = out[name]
-        order = {k: i for i, k in enumerate(src.module_keys)}
-    return dict(sorted(out.items(), key=lambda kv: order.get(kv[0], len(order))))
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -144,11 +122,15 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | Path, outpu
                                                  safe_serialization, tag, exclude_frozen_parameters)
 
 
-def build_parser(prog: str = "zero_to_fp32.py") -> argparse.ArgumentParser:
-    """DeepSpeed's ``zero_to_fp32.py`` arguments."""
-    p = argparse.ArgumentParser(prog=prog, description="Consolidate a ZeRO checkpoint into fp32 weights.")
+def build_parser(prog: str = "zero_to_fp32.py", with_dtype: bool = False) -> argparse.ArgumentParser:
+    """DeepSpeed's ``zero_to_fp32.py`` arguments (with ``with_dtype``: ``zero_to_torch.py``'s, which
+    add a required ``--dtype``)."""
+    what = "fp32, fp16 or bf16" if with_dtype else "fp32"
+    p = argparse.ArgumentParser(prog=prog, description=f"Consolidate a ZeRO checkpoint into {what} weights.")
     p.add_argument("checkpoint_dir", help="the checkpoint folder (holding 'latest' and the tag folders)")
     p.add_argument("output_dir", help="directory receiving the state dict files")
+    if with_dtype:
+        p.add_argument("--dtype", required=True, choices=sorted(_DTYPES), help="output tensor dtype")
     p.add_argument("--max_shard_size", default="5GB", help="largest shard, e.g. 5GB or 500MB (default 5GB)")
     p.add_argument("--safe_serialization", action="store_true", help="write safetensors instead of torch.save files")
     p.add_argument("-t", "--tag", default=None, help="checkpoint tag, e.g. global_step1 (default: from 'latest')")
@@ -157,11 +139,11 @@ def build_parser(prog: str = "zero_to_fp32.py") -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "zero_to_fp32.py") -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "zero_to_fp32.py", with_dtype: bool = False) -> int:
     """Run the command; returns the exit code (2 for a bad checkpoint or argument)."""
     from zeroshard.errors import CheckpointError
 
-    parser = build_parser(prog)
+    parser = build_parser(prog, with_dtype)
     args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO, format="%(message)s")
     try:
@@ -169,9 +151,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "zero_to_fp32.py") -> in
     except ValueError as e:
         parser.error(str(e))
     try:
-        files = convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_dir, args.max_shard_size,
-                                                           args.safe_serialization, args.tag,
-                                                           args.exclude_frozen_parameters)
+        files = convert_zero_checkpoint_to_state_dict(args.checkpoint_dir, args.output_dir,
+                                                      getattr(args, "dtype", "fp32"), args.max_shard_size,
+                                                      args.safe_serialization, args.tag,
+                                                      args.exclude_frozen_parameters)
     except CheckpointError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
