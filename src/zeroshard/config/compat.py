@@ -157,6 +157,9 @@ DEEPSPEED_ONLY: dict[str, Any] = {
 """DeepSpeed key paths zeroshard does not implement, mapped to the value under which they are harmless."""
 
 
+_BOOL: TypeAdapter[bool] = TypeAdapter(bool)
+
+
 def _as_bool(value: Any) -> bool | None:
     """``value`` read as a bool the way DeepSpeed's (and zeroshard's) pydantic fields read one: 0/1 and
     "false"/"true"/"off"/"on"... count; None when it is not a bool at all."""
@@ -164,9 +167,6 @@ def _as_bool(value: Any) -> bool | None:
         return bool(_BOOL.validate_python(value))
     except ValidationError:
         return None
-
-
-_BOOL: TypeAdapter[bool] = TypeAdapter(bool)
 
 
 def _is_off(value: Any, off: Any) -> bool:
