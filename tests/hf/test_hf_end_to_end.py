@@ -190,3 +190,25 @@ def test_convert_hf_names_a_missing_config(root: Path, tmp_path: Path, capsys: p
 
     assert main(["--hf", str(tmp_path), str(root / "init"), str(tmp_path / "out"), "-q"]) == 2
     assert f"{tmp_path / 'config.json'} does not exist" in capsys.readouterr().err
+
+
+def test_convert_hf_refuses_a_config_of_another_model(root: Path, trained: dict[str, Any], tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """from_pretrained fills weights a checkpoint lacks at random, with only a warning: refused up front."""
+    from zeroshard.cli.convert import main
+
+    checkpoint = root / "stage3" / f"checkpoint-{W.STEPS}"
+    config = json.loads((root / "init" / "config.json").read_text())
+    deeper = tmp_path / "deeper"
+    deeper.mkdir()
+    (deeper / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    assert main(["--hf", str(deeper), str(checkpoint), str(tmp_path / "out"), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "LlamaForCausalLM" in err and "weights missing (model.layers.2." in err, err
+    assert not (tmp_path / "out").exists()
+    bare = tmp_path / "bare"  # config.save_pretrained alone names no architecture: the causal-LM head fits
+    config.pop("architectures")
+    bare.mkdir()
+    (bare / "config.json").write_text(json.dumps(config))
+    assert main(["--hf", str(bare), str(checkpoint), str(tmp_path / "out"), "-q"]) == 0
+    _load(tmp_path / "out")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -95,6 +96,56 @@ def test_cli_errors_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFixtu
         z2f.main([str(tmp_path), str(tmp_path / "out"), "--max_shard_size", "lots"])
     with pytest.raises(ValueError, match="unsupported output dtype"):
         z2f.convert_zero_checkpoint_to_state_dict(tmp_path, tmp_path / "out", dtype="int8")
+
+
+def test_convert_replaces_a_previous_export_and_names_path_errors(ckpt: Path, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second export into the same directory leaves no weight file of the first: from_pretrained
+    prefers model.safetensors to an index, so a stale one would load old weights."""
+    from safetensors.torch import save_file
+
+    want = z2f.get_fp32_state_dict_from_zero_checkpoint(ckpt)
+    out = tmp_path / "export"
+    out.mkdir()
+    stale = {"emb.weight": torch.full((13, 7), 9.0)}
+    for name in ("model.safetensors", "model-00001-of-00009.safetensors", "model-00009-of-00009.safetensors"):
+        save_file(stale, out / name)
+    index = {"weight_map": {"emb.weight": "model-00001-of-00009.safetensors"}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    (out / "notes.txt").write_text("mine")
+    assert cli(["convert", str(ckpt), str(out), "-q", "--max-shard-size", "200B"]) == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert {p.name for p in out.glob("model*")} == shards | {"model.safetensors.index.json"}
+    assert (out / "notes.txt").read_text() == "mine"  # not a weight file: kept
+    loaded = {k: v for s in shards for k, v in load_file(out / s).items()}
+    assert torch.equal(loaded["emb.weight"], want["emb.weight"])
+    assert cli(["convert", str(ckpt), str(out), "-q"]) == 0  # back to one file: the shards and index go
+    assert {p.name for p in out.glob("model*")} == {"model.safetensors"}
+    assert torch.equal(load_file(out / "model.safetensors")["emb.weight"], want["emb.weight"])
+
+    (tmp_path / "afile").write_text("")
+    for args in ([str(ckpt), str(tmp_path / "afile" / "out")], [str(ckpt), str(tmp_path / "afile" / "o.safetensors")],
+                 [str(ckpt), str(tmp_path / "afile" / "ds"), "--to", "deepspeed", "--world-size", "1"]):
+        with pytest.raises(SystemExit) as info:
+            cli(["convert", "-q", *args])
+        assert info.value.code == 2 and "afile is a file, not a directory" in capsys.readouterr().err, args
+    import errno
+
+    import zeroshard.checkpoint.consolidate as consolidate
+
+    def full_disk(path: Path, *_: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(consolidate, "write_safetensors", full_disk)  # failing while writing: exit 2, no traceback
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert cli(["convert", "-q", str(ckpt), str(out), "--max-shard-size", "200B"]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the previous export is untouched
+    with pytest.raises(SystemExit) as info:
+        cli(["convert", str(tmp_path / "afile"), str(tmp_path / "out")])
+    assert info.value.code == 2 and "afile is a file, not a directory" in capsys.readouterr().err
 
 
 def test_deepspeed_layout_math() -> None:

@@ -32,6 +32,8 @@ from zeroshard.partition import consecutive_runs
 logger = logging.getLogger("zeroshard")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+#: Weight files of a ``save_pretrained``-style directory: a previous export's are replaced, not kept beside.
+_EXPORT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -121,6 +123,20 @@ def _plan(specs: list[TensorSpec], max_bytes: int | None) -> list[list[TensorSpe
     return consecutive_runs(specs, lambda s: s.nbytes, limit) or [[]]
 
 
+def _remove_previous_export(out: Path, written: list[Path]) -> None:
+    """Delete weight files of an earlier export into ``out`` that this one did not write.
+
+    ``from_pretrained`` prefers ``model.safetensors`` to an index, so a single file left from a
+    previous export beside new shards would load the old weights. Runs only once the new files are
+    complete, so a failed export leaves the previous one whole.
+    """
+    keep = {p.name for p in written}
+    for path in sorted(out.iterdir()):
+        if path.name not in keep and _EXPORT_FILE.fullmatch(path.name) and path.is_file():
+            logger.warning("removing %s, left by a previous export into %s", path.name, out)
+            path.unlink()
+
+
 def convert_checkpoint(checkpoint_dir: str | Path, out: str | Path, tag: str | None = None,
                        dtype: torch.dtype = torch.float32, max_shard_size: str | int | None = None,
                        progress: Callable[[int, int, str], None] | None = None) -> list[Path]:
@@ -129,7 +145,9 @@ def convert_checkpoint(checkpoint_dir: str | Path, out: str | Path, tag: str | N
     ``out`` ending in ``.safetensors`` is the single output file; otherwise it is a directory that
     receives ``model.safetensors``, or, with ``max_shard_size``, Hugging Face shards and index.
     Every file is written under a temporary name and renamed once all are complete, so a failure
-    leaves nothing behind. ``progress(done, total, name)`` is called after each tensor.
+    leaves nothing behind; then weight files of a previous export into the same directory
+    (``model.safetensors``, shards, index) that this one did not write are removed, as
+    ``save_pretrained`` removes stale shards. ``progress(done, total, name)`` is called after each tensor.
     """
     out = Path(out)
     limit = None if max_shard_size is None else parse_size(max_shard_size)
@@ -175,5 +193,7 @@ def convert_checkpoint(checkpoint_dir: str | Path, out: str | Path, tag: str | N
                      "weight_map": {s.name: f.name for f, shard in zip(files, shards) for s in shard}}
             (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
             files.append(out / INDEX_FILE)
+        if out.suffix != ".safetensors":
+            _remove_previous_export(out, files)
     logger.info("wrote %d tensors to %s", total, ", ".join(str(f) for f in files))
     return files

@@ -17,13 +17,17 @@ handed to ``initialize`` (or to the Trainer, or accelerate) gives exactly the na
 from __future__ import annotations
 
 import json
+import logging
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
-from zeroshard.checkpoint.consolidate import convert_checkpoint
+from zeroshard.checkpoint.consolidate import _names, _open, convert_checkpoint
 from zeroshard.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
 
 #: Hugging Face's ``save_pretrained`` default shard size.
 DEFAULT_MAX_SHARD_SIZE = "50GB"
@@ -68,7 +72,8 @@ def export_hf(model_dir: str | Path, checkpoint_dir: str | Path, out: str | Path
         max_shard_size: largest weights file (``"5GB"``); default Hugging Face's 50GB.
 
     Raises:
-        CheckpointError: a missing or unreadable ``config.json``, a bad checkpoint, or ``out`` being a file.
+        CheckpointError: a missing or unreadable ``config.json``, a bad checkpoint, ``out`` being a file,
+            or tensor names that are not the weights of ``config.json``'s architecture.
     """
     model_dir, out = Path(model_dir), Path(out)
     config = _read_config(model_dir)
@@ -77,6 +82,9 @@ def export_hf(model_dir: str | Path, checkpoint_dir: str | Path, out: str | Path
         raise CheckpointError(f"{out} exists and is not a directory")
     if out.suffix == ".safetensors":
         raise CheckpointError(f"{out}: --hf writes a model directory, not a .safetensors file")
+    with _open(checkpoint_dir, tag) as src:
+        names = _names(src)
+    check_names_fit_config(model_dir, names, checkpoint_dir)
     files = convert_checkpoint(checkpoint_dir, out, tag=tag, dtype=dtype,
                                max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE)
     config["dtype"] = _DTYPE_NAMES[dtype]
@@ -88,3 +96,71 @@ def export_hf(model_dir: str | Path, checkpoint_dir: str | Path, out: str | Path
             shutil.copyfile(model_dir / name, out / name)
             files.append(out / name)
     return files
+
+
+#: Heads tried, in order, for a config.json that names no architecture (``config.save_pretrained`` alone).
+_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModel", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM",
+                 "AutoModelForSequenceClassification", "AutoModelForTokenClassification")
+
+
+def _candidates(model_dir: Path) -> list[tuple[str, list[set[str]], set[str], str]]:
+    """For each model class ``config.json`` may describe: its name, one set of names per parameter
+    (tied names together), every ``state_dict`` name and the base-model prefix. Empty when
+    transformers is absent or cannot build the config (custom code), so nothing can be checked."""
+    try:
+        import transformers
+    except ImportError:
+        return []
+    try:
+        config = transformers.AutoConfig.from_pretrained(model_dir)
+    except Exception as e:  # a config this transformers cannot read is not ours to judge
+        logger.info("not checking tensor names against %s: %s", model_dir, e)
+        return []
+    named = [getattr(transformers, a, None) for a in (getattr(config, "architectures", None) or [])[:1]]
+    builders = [c for c in named if c is not None] or [getattr(transformers, a).from_config for a in _AUTO_CLASSES]
+    found = []
+    for build in builders:
+        try:
+            with torch.device("meta"):  # names and ties only: no memory, no initialisation
+                model = build(config)
+        except Exception:  # this head does not exist for the model type
+            continue
+        tied: dict[int, set[str]] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            tied.setdefault(id(param), set()).add(name)
+        found.append((type(model).__name__, list(tied.values()), set(model.state_dict()),
+                      getattr(model, "base_model_prefix", "") or ""))
+    return found
+
+
+def _mismatch(names: Iterable[str], params: list[set[str]], state_names: set[str],
+              prefix: str) -> tuple[list[str], list[str]]:
+    """Weights of the model missing from ``names``, and names that are not the model's."""
+    def bare(name: str) -> str:
+        return name[len(prefix) + 1:] if prefix and name.startswith(prefix + ".") else name
+
+    have = {bare(n) for n in names}
+    missing = sorted(min(group) for group in params if not {bare(n) for n in group} & have)
+    return missing, sorted(have - {bare(n) for n in state_names})
+
+
+def check_names_fit_config(model_dir: str | Path, names: Iterable[str], checkpoint: str | Path) -> None:
+    """Refuse a checkpoint whose tensors are not the weights of ``MODEL_DIR``'s architecture.
+
+    ``from_pretrained`` would otherwise initialise the missing weights at random and ignore the
+    others, with only a warning. Names may differ by the base-model prefix (``model.``), as
+    ``from_pretrained`` allows. Without ``architectures`` in ``config.json`` the common heads are
+    tried, and one that fits is enough. Skipped when transformers cannot build the model.
+    """
+    names = list(names)
+    results = [(cls, *_mismatch(names, params, state, prefix))
+               for cls, params, state, prefix in _candidates(Path(model_dir))]
+    if not results or any(not missing and not unexpected for _, missing, unexpected in results):
+        return
+    cls, missing, unexpected = min(results, key=lambda r: len(r[1]) + len(r[2]))
+    parts = [f"{len(found)} {what} ({', '.join(found[:4])}{', ...' if len(found) > 4 else ''})"
+             for found, what in ((missing, "weights missing"), (unexpected, "tensors not in the model"))
+             if found]
+    raise CheckpointError(f"{checkpoint} does not hold the weights of the {cls} that {Path(model_dir) / 'config.json'} "
+                          f"describes: {'; '.join(parts)}; from_pretrained would initialise the missing ones at "
+                          "random. Pass the directory of the model that was trained as --hf MODEL_DIR")

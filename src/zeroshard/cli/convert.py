@@ -81,9 +81,8 @@ def _to_deepspeed(args: argparse.Namespace, parser: argparse.ArgumentParser, pro
         target = DeepSpeedTarget(args.world_size, args.stage or target.stage, dtype, target.gradient_clipping,
                                  target.sub_group_size, config or None)
         final = write(path, args.out, target)
-    except CheckpointError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
+    except (CheckpointError, OSError) as e:
+        return _fail(prog, e)
     if not args.quiet:
         print(final)
     return 0
@@ -107,13 +106,21 @@ def _to_hf(args: argparse.Namespace, prog: str) -> int:
     try:
         files = export_hf(args.hf, args.checkpoint_dir, args.out, tag=args.tag, dtype=dtype,
                           max_shard_size=args.max_shard_size)
-    except CheckpointError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
+    except (CheckpointError, OSError) as e:
+        return _fail(prog, e)
     if not args.quiet:
         for f in files:
             print(f)
     return 0
+
+
+def _fail(prog: str, error: Exception) -> int:
+    """Exit code 2 with the message: an OSError (an output path under a file, no permission, a full
+    disk) names its path and cause instead of ending in a traceback."""
+    if isinstance(error, OSError) and error.filename is not None:
+        error = OSError(f"{error.filename}: {error.strerror}")
+    print(f"{prog}: error: {error}", file=sys.stderr)
+    return 2
 
 
 def _progress(quiet: bool) -> tuple[Callable[[int, int, str], None] | None, Callable[[], None]]:
@@ -148,10 +155,14 @@ def main(argv: Sequence[str], prog: str = "zeroshard convert") -> int:
             parser.error(f"the following arguments are required: {name.upper()}")
     src = Path(args.checkpoint_dir)
     if not src.is_dir():
-        parser.error(f"checkpoint directory {src} does not exist")
+        what = "is a file, not a directory" if src.exists() else "does not exist"
+        parser.error(f"checkpoint directory {src} {what}")
     out = Path(args.out)
     if out.suffix != ".safetensors" and out.exists() and not out.is_dir():
         parser.error(f"output {out} exists and is not a directory")
+    above = next((d for d in out.parents if d.exists()), None)
+    if above is not None and not above.is_dir():
+        parser.error(f"output {out}: {above} is a file, not a directory")
     if args.to == "deepspeed":
         return _to_deepspeed(args, parser, prog)
     if args.hf is not None:
@@ -178,10 +189,9 @@ def main(argv: Sequence[str], prog: str = "zeroshard convert") -> int:
     try:
         files = convert_checkpoint(src, out, tag=args.tag, dtype=dtype, max_shard_size=args.max_shard_size,
                                    progress=update)
-    except CheckpointError as e:
+    except (CheckpointError, OSError) as e:
         close()
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
+        return _fail(prog, e)
     close()
     if not args.quiet:
         size = sum(Path(f).stat().st_size for f in files if Path(f).is_file())
