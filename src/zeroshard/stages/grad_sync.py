@@ -83,6 +83,8 @@ class GradSync:
         self._params = list(self._where)
         self._index = {p: k for k, p in enumerate(self._params)}
         self._seen: set[int] = set()  # parameters that received a gradient in this window
+        #: stage 0: the reduced gradient each parameter's ``.grad`` shows between backward and step
+        self._exposed: dict[torch.nn.Parameter, torch.Tensor] = {}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._pending: list[_Pending] = []
         self._launched: set[int] = set()
@@ -149,7 +151,30 @@ class GradSync:
 
     def stray_grads(self) -> list[torch.nn.Parameter]:
         """Trained parameters holding a ``.grad`` that no ``engine.backward`` took (see :attr:`active`)."""
-        return [p for p in self._params if p.grad is not None]
+        return [p for p in self._params if p.grad is not None and p not in self._exposed]
+
+    def take_exposed(self) -> set[torch.nn.Parameter]:
+        """Fold what the script did to the exposed ``.grad`` (stage 0) back into the reduced gradients:
+        edited in place (``clip_grad_norm_``) is already there, a tensor assigned is copied in, and
+        ``None`` (set by the script, or ``module.zero_grad()``) drops the gradient. Returns the
+        parameters dropped, which the step leaves untouched, as a torch optimizer skips a ``None`` grad."""
+        dropped = set()
+        for p, view in self._exposed.items():
+            g = p.grad
+            if g is None:
+                view.zero_()  # out of the norm too, as for plain PyTorch's clip over the remaining grads
+                dropped.add(p)
+            elif g is not view:
+                view.copy_(g.detach())
+            p.grad = None
+        self._exposed.clear()
+        return dropped
+
+    def _withdraw_exposed(self) -> None:
+        for p, view in self._exposed.items():
+            if p.grad is view:
+                p.grad = None
+        self._exposed.clear()
 
     def _complete_oldest(self) -> None:
         _bucket, finalize = self._pending.pop(0)
@@ -224,6 +249,7 @@ class GradSync:
 
     def zero(self) -> None:
         """Forget accumulated gradients (after a step, or a skipped one)."""
+        self._withdraw_exposed()
         self._seen.clear()
         self.reduced = False
 
@@ -296,7 +322,30 @@ class _FullAccumulatorSync(GradSync):
 
 
 class AllReduceSync(_FullAccumulatorSync):
-    """Stage 0: all-reduce the full accumulator bucket by bucket; every rank keeps everything."""
+    """Stage 0: all-reduce the full accumulator bucket by bucket; every rank keeps everything.
+
+    After the backward that reduces, each parameter's ``.grad`` is a view of its averaged gradient
+    in the accumulator (when the accumulator has the parameter's dtype: fp32 training), as
+    DeepSpeed's stage 0 and DDP leave it: a script can clip it by hand (``clip_grad_norm_``), log
+    its norm or set it to ``None`` to skip the parameter (:meth:`take_exposed`). Between
+    micro-steps ``.grad`` stays ``None``: the accumulator then holds this rank's share only.
+    """
+
+    def start_backward(self, boundary: bool) -> None:
+        if self._exposed:  # another backward in the boundary micro-step: keep what the script did
+            dropped = self.take_exposed()
+            self._seen.difference_update(self._index[p] for p in dropped)
+        super().start_backward(boundary)
+
+    def finish_backward(self) -> None:
+        super().finish_backward()
+        if self.boundary and self.reduced:
+            for b in self.buckets:
+                region = self._rows(b)[0]
+                for p, off in zip(b.params, b.offsets):
+                    if p.dtype == region.dtype and p.device == region.device:
+                        self._exposed[p] = region[off : off + p.numel()].view(p.shape)
+                        p.grad = self._exposed[p]
 
     def _launch(self, bucket: Bucket) -> Callable[[], None]:
         region = self._rows(bucket).view(-1)

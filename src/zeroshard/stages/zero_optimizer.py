@@ -279,6 +279,7 @@ class ZeroOptimizer:
     def step(self) -> bool:
         """Unscale, check overflow, clip and step. Returns whether the update was applied."""
         self.rebind_parameters(keep_values=True)  # the forward and backward just ran on the replaced values
+        dropped = self.sync.take_exposed()  # stage 0's .grad, as the script left it
         g32 = [g if g.dtype == torch.float32 else g.float() for g in self._grad_views()]
         if self.scaler.scale != 1.0:
             torch._foreach_mul_(g32, 1.0 / self.scaler.scale)
@@ -298,7 +299,7 @@ class ZeroOptimizer:
             coef = clip / (norm + 1e-6)
             if coef < 1.0:
                 torch._foreach_mul_(g32, coef)
-        unused = {self.master.views[p] for p in self.sync.unused_params()}
+        unused = {self.master.views[p] for p in (*self.sync.unused_params(), *dropped)}
         stepped = self._begin_publish()
         self.store.stepped = stepped
         try:
