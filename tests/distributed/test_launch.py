@@ -123,3 +123,16 @@ def test_failed_worker_exit_code_is_returned(tmp_path: Path) -> None:
     )
     assert proc.returncode == 7, proc.stdout + proc.stderr
     assert "fail.py FAILED" in proc.stderr
+
+
+def test_worker_killed_by_a_signal_gives_128_plus_the_signal(tmp_path: Path) -> None:
+    """The OOM killer's SIGKILL: exit 137 as a shell reports it (it was 1, like any failure)."""
+    script = tmp_path / "killed.py"
+    script.write_text("import os, signal, time\n"
+                      "if os.environ['RANK'] == '1':\n"
+                      "    os.kill(os.getpid(), signal.SIGKILL)\n"
+                      "time.sleep(2)\n")
+    proc = subprocess.run(_launch_cmd("--nproc_per_node", "2", "-q", str(script)),
+                          capture_output=True, text=True, env=_env(), timeout=TIMEOUT_S)
+    assert proc.returncode == 128 + 9, proc.stdout + proc.stderr
+    assert "Signal 9 (SIGKILL)" in proc.stderr or "SIGKILL" in proc.stderr, proc.stderr

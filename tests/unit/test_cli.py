@@ -224,6 +224,38 @@ def test_abbreviations_are_not_guessed(capsys: pytest.CaptureFixture[str], scrip
     assert "--nproc" in _error(capsys, ["--nproc", "2", script])
 
 
+def test_worker_environment_as_deepspeeds_launcher(script: str, capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """LOCAL_SIZE, CROSS_RANK and CROSS_SIZE as DeepSpeed's launcher sets them; OMP_NUM_THREADS the
+    cores divided among the ranks (torchrun's 1 starves CPU work) unless the user set it."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+
+    def env_of(argv: list[str]) -> dict[str, str]:
+        assert launch.main(["--dry-run", *argv]) == 0
+        line = capsys.readouterr().out.strip()
+        return dict(word.split("=", 1) for word in line.split(" ") if "=" in word and not word.startswith("-"))
+
+    assert env_of(["--num_gpus", "4", script]) == {"LOCAL_SIZE": "4", "CROSS_RANK": "0", "CROSS_SIZE": "1",
+                                                   "OMP_NUM_THREADS": "4"}
+    multi = env_of(["--nnodes", "3", "--node_rank", "2", "--master_addr", "h0", "--nproc_per_node", "2", script])
+    assert multi == {"LOCAL_SIZE": "2", "CROSS_RANK": "2", "CROSS_SIZE": "3", "OMP_NUM_THREADS": "8"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert "OMP_NUM_THREADS" not in env_of(["--num_gpus", "4", script])  # the user's value reaches the workers
+
+
+def test_deepspeeds_log_level_and_quiet(script: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import logging
+
+    for argv, level in ((["--log_level", "warning"], logging.WARNING), (["-q"], logging.ERROR),
+                        (["--quiet"], logging.ERROR), ([], logging.INFO)):
+        assert launch.main(["--dry-run", *argv, script]) == 0
+        assert logging.getLogger("torch.distributed").level == level, argv
+        assert logging.getLogger("zeroshard").level == level, argv
+    logging.getLogger("torch.distributed").setLevel(logging.NOTSET)
+    logging.getLogger("zeroshard").setLevel(logging.NOTSET)
+
+
 def test_errors_exit_2_without_traceback(tmp_path: Path) -> None:
     proc = _cli("launch", "--nproc_per_node", "0", str(tmp_path / "x.py"))
     assert proc.returncode == 2

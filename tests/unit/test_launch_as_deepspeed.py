@@ -60,3 +60,17 @@ def test_launched_script_imports_zeroshard_as_deepspeed(tmp_path: Path) -> None:
                            str(script), "--flag", "v"], capture_output=True, text=True, env=env, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "check.py.ok").read_text() == "ok"
+
+
+def test_refused_up_front_when_the_real_deepspeed_is_installed(script: str, capsys: pytest.CaptureFixture[str],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused by the launcher, naming --shadow-deepspeed, instead of by every worker with a traceback."""
+    from zeroshard.cli.launch import main
+
+    real = importlib.util.spec_from_loader("deepspeed", loader=None, origin="/site-packages/deepspeed/__init__.py")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: real if name == "deepspeed" else None)
+    with pytest.raises(SystemExit) as info:
+        main(["--nproc_per_node", "2", "--as-deepspeed", script])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "/site-packages/deepspeed/__init__.py" in err and "--shadow-deepspeed" in err
+    assert main(["--dry-run", "--shadow-deepspeed", script]) == 0  # the switch that hides it is accepted

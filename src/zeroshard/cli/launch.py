@@ -29,6 +29,8 @@ substitution in worker arguments.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import logging
 import os
 import re
 import shlex
@@ -114,14 +116,15 @@ def _accelerator_count(parser: argparse.ArgumentParser) -> int:
     return count
 
 
-def _one_per_accelerator() -> str | None:
+def _one_per_accelerator(say: bool) -> str | None:
     """No process count given: one per visible accelerator, as ``deepspeed script.py`` starts (torchrun
     would start one); ``None`` on a machine without (torchrun's default, one process)."""
     count = _visible_accelerators()
     if count == 0:
         return None
-    print(f"zeroshard launch: {count} processes, one per visible accelerator (--num_gpus N to choose)",
-          file=sys.stderr)
+    if say:  # not under --quiet
+        print(f"zeroshard launch: {count} processes, one per visible accelerator (--num_gpus N to choose)",
+              file=sys.stderr)
     return str(count)
 
 
@@ -166,7 +169,7 @@ def _translate(parser: argparse.ArgumentParser, args: argparse.Namespace, passed
 
     out: list[str] = []
     if args.nproc_per_node is None:
-        args.nproc_per_node = _one_per_accelerator()
+        args.nproc_per_node = _one_per_accelerator(say=args.log_level in ("debug", "info"))
     if args.nproc_per_node is not None:
         out += ["--nproc_per_node", args.nproc_per_node]
     if args.nnodes is not None:
@@ -185,6 +188,7 @@ def _translate(parser: argparse.ArgumentParser, args: argparse.Namespace, passed
             )
         out.append("--standalone")
     out += torchrun_option_args(passed)
+    env.update(_worker_env(args))
     local_rank = [LOCAL_RANK_ARG] if _wants_local_rank(args, passed) else []
     target = [args.script, *local_rank, *args.script_args]
     if args.as_deepspeed or args.shadow_deepspeed:
@@ -192,6 +196,26 @@ def _translate(parser: argparse.ArgumentParser, args: argparse.Namespace, passed
     # "--" ends torchrun's options: its parser (allow_abbrev) would otherwise read the script's own
     # arguments too, and stop at one that abbreviates two of its options (``--max``, ``--log``).
     return [*out, "--", *target], env
+
+
+def _worker_env(args: argparse.Namespace) -> dict[str, str]:
+    """What DeepSpeed's launcher sets in every worker beyond torchrun's variables: ``LOCAL_SIZE``
+    (processes on this node), ``CROSS_RANK`` (this node's rank) and ``CROSS_SIZE`` (nodes), for a
+    fixed placement; and ``OMP_NUM_THREADS``, unless set, to this machine's cores divided among its
+    processes (torchrun would set 1, which starves CPU work; DeepSpeed leaves it unset, and every
+    rank then starts a thread per core)."""
+    env: dict[str, str] = {}
+    nproc = args.nproc_per_node
+    if nproc is None or not str(nproc).isdigit():  # "auto", "gpu": counted by torchrun
+        return env
+    env["LOCAL_SIZE"] = str(nproc)
+    min_nodes, max_nodes = parse_nnodes(args.nnodes or "1")
+    if min_nodes == max_nodes:
+        env["CROSS_RANK"], env["CROSS_SIZE"] = str(args.node_rank or 0), str(max_nodes)
+    if "OMP_NUM_THREADS" not in os.environ and int(nproc) > 1:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        env["OMP_NUM_THREADS"] = str(max(1, cores // int(nproc)))
+    return env
 
 
 #: The module that enables the DeepSpeed compatibility layer, then runs a script or module (runpy).
@@ -256,6 +280,7 @@ def _multi_host(parser: argparse.ArgumentParser, args: argparse.Namespace, hosts
     launch_args = torchrun_option_args(passed) + (["--no_local_rank"] if args.no_local_rank else [])
     launch_args += ["--as-deepspeed"] if args.as_deepspeed else []
     launch_args += ["--shadow-deepspeed"] if args.shadow_deepspeed else []
+    launch_args += ["--log_level", args.log_level] if args.log_level != "info" else []
     jobs = multinode.host_jobs(hosts, launch_args, [args.script, *args.script_args], master, tag, remote)
     if args.dry_run:
         print(multinode.describe(jobs, remote), flush=True)
@@ -286,6 +311,13 @@ def main(argv: Sequence[str], prog: str = "zeroshard launch") -> int:
     """Launch; returns the exit code (that of the first failed worker or host, or 0)."""
     parser = build_parser(prog)
     args = parser.parse_args(list(argv))
+    _set_log_level(args.log_level)
+    if args.as_deepspeed and not args.shadow_deepspeed:
+        real = importlib.util.find_spec("deepspeed")
+        if real is not None:  # every worker would refuse it, each with a traceback
+            parser.error(f"argument --as-deepspeed: the real DeepSpeed is installed here ({real.origin}) and the "
+                         "layer would hide it; use --shadow-deepspeed to run zeroshard in its place, or uninstall "
+                         "deepspeed")
     hosts = _resolve_hosts(parser, args)
     if hosts is not None and _runs_remotely(args, hosts):
         return _multi_host(parser, args, hosts, prog)
@@ -302,13 +334,27 @@ def main(argv: Sequence[str], prog: str = "zeroshard launch") -> int:
             print(f"{prog}: the job failed (exit {code}); restarting it ({attempt} of {restarts})",
                   file=sys.stderr, flush=True)
         os.environ[ATTEMPT_ENV] = str(attempt)
-        code = _run_once(torchrun_argv, prog)
-        if code == 0 or code >= 128:  # done, or stopped by a signal: never restarted
+        code, stopped = _run_once(torchrun_argv, prog)
+        if code == 0 or stopped:  # done, or this command was stopped by a signal: never restarted
             return code
     return code
 
 
-def _run_once(torchrun_argv: list[str], prog: str) -> int:
+def _set_log_level(name: str) -> None:
+    """``--log_level``: this command's messages and torchrun's (its logger is ``torch.distributed``)."""
+    level = getattr(logging, name.upper())
+    for logger_name in ("zeroshard", "torch.distributed"):
+        logging.getLogger(logger_name).setLevel(level)
+
+
+def _exit_code(code: int) -> int:
+    """A worker's exit status as this command's: a worker killed by a signal (negative in torchrun's
+    report; the OOM killer's SIGKILL) gives 128 + the signal, as a shell reports it."""
+    return 128 - code if code < 0 else code
+
+
+def _run_once(torchrun_argv: list[str], prog: str) -> tuple[int, bool]:
+    """Run torchrun once: the exit code, and whether this command itself was stopped by a signal."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -317,11 +363,11 @@ def _run_once(torchrun_argv: list[str], prog: str) -> int:
         torchrun.main(torchrun_argv)
     except ChildFailedError as error:
         print(str(error), file=sys.stderr, flush=True)
-        codes = [failure.exitcode for failure in error.failures.values()]
-        return next((code for code in codes if code > 0), 1)
+        codes = [_exit_code(failure.exitcode) for failure in error.failures.values()]
+        return next((code for code in codes if code > 0), 1), False
     except SignalException as error:
         print(f"{prog}: stopped by signal {error.sigval.name}", file=sys.stderr, flush=True)
-        return 128 + int(error.sigval)
+        return 128 + int(error.sigval), True
     except KeyboardInterrupt:
-        return 130
-    return 0
+        return 130, True
+    return 0, False

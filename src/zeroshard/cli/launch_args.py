@@ -38,8 +38,11 @@ _MASTER_PORT = ("--master_port", "--master-port")
 _DEEPSPEED = (
     "-H", "--hostfile", "-i", "--include", "-e", "--exclude", "--launcher", "--launcher_args", "--ssh_port",
     "--force_multi", "--no_ssh", "--no_ssh_check", "--venv_script", "--no_local_rank", "--dry-run", "--dry_run",
-    "--as-deepspeed", "--as_deepspeed", "--shadow-deepspeed", "--shadow_deepspeed",
+    "--as-deepspeed", "--as_deepspeed", "--shadow-deepspeed", "--shadow_deepspeed", "--log_level", "--log-level",
+    "-q", "--quiet",
 )
+#: DeepSpeed's ``--log_level`` choices (the launcher's own messages and torchrun's)
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _OWN_OPTIONS = frozenset((*_NPROC, *_NNODES, *_NODE_RANK, *_MASTER_ADDR, *_MASTER_PORT, *_DEEPSPEED, "-h", "--help"))
 PASS_PREFIX = "torchrun__"
 
@@ -176,6 +179,10 @@ def _add_deepspeed(parser: argparse.ArgumentParser) -> None:
                     "transformers or accelerate) is zeroshard; refused when the real DeepSpeed is installed")
     ds.add_argument("--shadow-deepspeed", "--shadow_deepspeed", dest="shadow_deepspeed", action="store_true",
                     help="--as-deepspeed, hiding the real DeepSpeed installed in the same environment")
+    ds.add_argument("--log_level", "--log-level", choices=LOG_LEVELS, default="info",
+                    help="messages of the launcher and torchrun shown (default info); not the workers' own")
+    ds.add_argument("-q", "--quiet", dest="log_level", action="store_const", const="error",
+                    help="--log_level error")
 
 
 #: DeepSpeed launcher options zeroshard launch does not have: option -> why, and what to use instead
