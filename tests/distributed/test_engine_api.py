@@ -81,11 +81,14 @@ def _walk(engine: Any, methods: list[dict[str, Any]]) -> dict[str, str]:
 
 def _first_step(engine: Any, rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
     """Micro-steps of optimizer step 0 with the checks that need the window open."""
-    from zeroshard.utils import safe_get_full_grad
+    from zeroshard.utils import safe_get_full_grad, safe_get_full_optimizer_state, safe_get_local_optimizer_state
 
     ga = engine.gradient_accumulation_steps()
     micro_bs = GLOBAL_BATCH // (ga * world)
     out: dict[str, Any] = {"applied": []}
+    # before the first step there is no optimizer state: None, as DeepSpeed's getters (it was a KeyError)
+    out["state_before_step"] = [(safe_get_full_optimizer_state(p, "exp_avg"),
+                                 safe_get_local_optimizer_state(p, "exp_avg")) for p in engine.module.parameters()]
     for m in range(ga):
         xb, yb = (micro_batch(t, 0, m, rank, world, micro_bs) for t in (x, y))
         loss = engine(xb, yb)
@@ -229,6 +232,7 @@ def test_deepspeed_return_values(api_results: list[dict[str, Any]], stage: int) 
     for r in (api_results[0][stage], api_results[1][stage]):
         assert r["backward_return_ok"], "backward must return loss / gradient_accumulation_steps"
         assert r["applied"] == [False, True], "was_step_applied: False mid-window, True after the update"
+        assert all(pair == (None, None) for pair in r["state_before_step"]), r["state_before_step"]
         assert r["lr_kwargs"] == [{"increment": 3}], "step(lr_kwargs=) reaches the scheduler once per update"
         assert r["loss_scale"] == 0.0 and r["cur_scale"] == 1.0  # DeepSpeed: the config's fp16.loss_scale
         assert r["batch_info"] == (8, 2, 2)

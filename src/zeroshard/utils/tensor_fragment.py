@@ -96,11 +96,20 @@ def _require(param: torch.nn.Parameter, what: str) -> _Fragment:
 
 
 def _state(frag: _Fragment, key: str) -> torch.Tensor:
-    state = frag.owner.store.state(frag.master)  # in memory or read from a swap file
+    state = frag.owner.store.state(frag.master) if frag.owner.store.has_state(frag.master) else {}
+    if not state:
+        raise KeyError(f"optimizer state {key!r} does not exist yet: the optimizer creates it at its first step")
     if key not in state:
         raise KeyError(f"optimizer state {key!r} does not exist for this parameter (keys: {sorted(state)})")
     value: torch.Tensor = state[key]
     return value
+
+
+def _state_or_none(frag: _Fragment, key: str) -> torch.Tensor | None:
+    """The state, or None before the optimizer's first step created any (as DeepSpeed's getters)."""
+    if not frag.owner.store.has_state(frag.master):
+        return None
+    return _state(frag, key)
 
 
 # -- fp32 parameters ------------------------------------------------------------------------------
@@ -178,16 +187,17 @@ def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
 def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
     """The full optimizer state ``optim_state_key`` (``exp_avg``...) of ``param`` (collective)."""
     frag = _fragment(param)
-    if frag is None:
+    local = None if frag is None else _state_or_none(frag, optim_state_key)
+    if frag is None or local is None:
         return None
-    local = _state(frag, optim_state_key)
     return local.detach().clone() if local.numel() != frag.master.numel() else frag.gather(local)
 
 
 def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
     """This rank's chunk of the optimizer state ``optim_state_key`` (flat)."""
     frag = _fragment(param)
-    return None if frag is None else _state(frag, optim_state_key).detach()
+    local = None if frag is None else _state_or_none(frag, optim_state_key)
+    return None if local is None else local.detach()
 
 
 def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
