@@ -325,7 +325,7 @@ class AllReduceSync(_FullAccumulatorSync):
     """Stage 0: all-reduce the full accumulator bucket by bucket; every rank keeps everything.
 
     After the backward that reduces, each parameter's ``.grad`` is a view of its averaged gradient
-    in the accumulator (when the accumulator has the parameter's dtype: fp32 training), as
+    in the accumulator (fp32 training, where it has the parameter's dtype and no loss scale), as
     DeepSpeed's stage 0 and DDP leave it: a script can clip it by hand (``clip_grad_norm_``), log
     its norm or set it to ``None`` to skip the parameter (:meth:`take_exposed`). Between
     micro-steps ``.grad`` stays ``None``: the accumulator then holds this rank's share only.
@@ -343,7 +343,8 @@ class AllReduceSync(_FullAccumulatorSync):
             for b in self.buckets:
                 region = self._rows(b)[0]
                 for p, off in zip(b.params, b.offsets):
-                    if p.dtype == region.dtype and p.device == region.device:
+                    # fp32 only: 16-bit parameters' averaged gradient is in another dtype (and scaled in fp16)
+                    if p.dtype == region.dtype == torch.float32 and p.device == region.device:
                         self._exposed[p] = region[off : off + p.numel()].view(p.shape)
                         p.grad = self._exposed[p]
 
