@@ -132,6 +132,32 @@ def test_rng_tracker_states_are_restored_for_the_recomputation() -> None:
     assert differs(plain, grads(functools.partial(torch_checkpoint, use_reentrant=False), tracker_dropout=True)[0])
 
 
+def test_a_region_recomputed_by_several_backwards() -> None:
+    """Each backward through a checkpointed region recomputes it: a gradient penalty's double
+    backward, ``autograd.grad`` then ``backward``, and ``retain_graph`` with a backward per loss (a
+    shared trunk). It failed at the second recomputation (AttributeError from a one-shot context)."""
+
+    def penalised(func: Any, tracker_dropout: bool) -> dict[str, torch.Tensor]:
+        model = LM(tracker_dropout)
+        model.checkpoint_func = func
+        torch.manual_seed(42)
+        if tracker_dropout:
+            ckpt.model_parallel_cuda_manual_seed(42)
+        x, y = (t.to(DEVICE) for t in batch())
+        h = model.embed(x).detach().requires_grad_(True)
+        for block in model.blocks:
+            h_in = h
+            h = block(h) if func is None else func(block.__call__, h)
+        loss = F.cross_entropy(model.head(h).reshape(-1, VOCAB), y.reshape(-1))
+        (g,) = torch.autograd.grad(loss, h_in, create_graph=True)  # recomputes the last block
+        (loss + g.pow(2).sum()).backward(retain_graph=True)  # recomputes every block
+        (2 * loss).backward()  # a second loss over the same trunk: recomputes them again
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    for tracker_dropout in (False, True):
+        assert_same(penalised(None, tracker_dropout), penalised(ckpt.checkpoint, tracker_dropout))
+
+
 def test_rng_tracker_api() -> None:
     tracker = ckpt.get_cuda_rng_tracker()
     state = torch.cuda.get_rng_state if DEVICE.type == "cuda" else torch.get_rng_state

@@ -52,3 +52,36 @@ def test_static_scale_is_constant() -> None:
     s.update(True)
     s.update(False)
     assert s.scale == 128.0
+
+
+def test_optimizer_exposes_deepspeeds_loss_scaling_attributes() -> None:
+    """Scripts log ``engine.optimizer.loss_scaler.cur_scale`` and read ``dynamic_loss_scale`` (DeepSpeed's
+    ZeRO optimizers); they were AttributeErrors. The values follow the scale through an overflow."""
+    import torch
+    import torch.distributed as dist
+
+    import zeroshard
+
+    created = not dist.is_initialized()
+    try:
+        model = torch.nn.Linear(4, 3)
+        engine, opt, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config={
+            "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}, "gradient_clipping": 0,
+            "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "hysteresis": 1},
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+        assert opt.dynamic_loss_scale is True and opt.custom_loss_scaler is False and opt.external_loss_scale is None
+        assert opt.loss_scaler.cur_scale == opt.loss_scaler.loss_scale == opt.cur_scale == 256.0
+        assert opt.loss_scaler.cur_hysteresis == 1
+        x = torch.ones(2, 4, dtype=torch.float16)
+        engine.backward(engine(x).float().sum() * float("inf"))  # an overflow: skipped, the scale halves
+        engine.step()
+        assert not engine.was_step_applied() and opt.loss_scaler.cur_scale == 128.0 == opt.cur_scale
+        engine.destroy()
+        model = torch.nn.Linear(4, 3)
+        _, static, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config={
+            "train_micro_batch_size_per_gpu": 2, "fp16": {"enabled": True, "loss_scale": 64},
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+        assert static.dynamic_loss_scale is False and static.loss_scaler.cur_scale == 64.0
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()

@@ -79,7 +79,27 @@ def _contexts(s: Settings, dev: torch.device) -> tuple[contextlib.AbstractContex
         finally:
             tracker.set_states(backward_states)
 
-    return contextlib.nullcontext(), recompute()
+    return contextlib.nullcontext(), _Reenterable(recompute)
+
+
+class _Reenterable:
+    """A context manager that may be entered again, each time through a fresh ``factory()``: torch
+    enters the recompute context once per recomputation, and a region is recomputed once per
+    backward through it (``retain_graph``, ``autograd.grad`` then ``backward``, a gradient penalty's
+    double backward), where a generator-based one fails on its second use."""
+
+    def __init__(self, factory: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
+        self._factory = factory
+        self._active: list[contextlib.AbstractContextManager[Any]] = []
+
+    def __enter__(self) -> Any:
+        cm = self._factory()
+        value = cm.__enter__()
+        self._active.append(cm)
+        return value
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self._active.pop().__exit__(*exc)
 
 
 def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -25,6 +25,16 @@ class LossScaler:
     def __init__(self, scale: float = 1.0) -> None:
         self.scale = float(scale)
 
+    def _get_scale(self) -> float:
+        return self.scale
+
+    def _set_scale(self, value: float) -> None:
+        self.scale = float(value)
+
+    #: DeepSpeed's names for the scale (scripts log ``engine.optimizer.loss_scaler.cur_scale``)
+    cur_scale = property(_get_scale, _set_scale)
+    loss_scale = property(_get_scale, _set_scale)
+
     def update(self, overflow: bool) -> None:
         """Record the outcome of a step; a static scaler only logs overflows."""
         if overflow:

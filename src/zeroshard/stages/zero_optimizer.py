@@ -216,6 +216,20 @@ class ZeroOptimizer:
     #: give it (scripts log ``engine.optimizer.cur_scale``)
     cur_scale = property(_get_loss_scale, _set_loss_scale)
     loss_scale = property(_get_loss_scale, _set_loss_scale)
+    #: DeepSpeed's ZeRO optimizers' loss-scaling attributes: no client scaler, no external scale
+    custom_loss_scaler = False
+    external_loss_scale = None
+
+    @property
+    def loss_scaler(self) -> LossScaler:
+        """The loss scaler (DeepSpeed's attributes: ``cur_scale``, and for dynamic scaling
+        ``cur_hysteresis``, ``cur_iter``, ``last_overflow_iter``, ``scale_window``, ``min_scale``)."""
+        return self.scaler
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        """Whether the loss scale adapts to overflows (fp16 with ``loss_scale: 0``)."""
+        return bool(self.scaler.dynamic)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's part of the optimizer, as DeepSpeed's ZeRO optimizers return theirs (frameworks
