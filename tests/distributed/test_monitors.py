@@ -5,7 +5,8 @@ Two configs run in one spawned job: ZeRO-3 in fp32 and ZeRO-1 in fp16 (the only 
 ``steps_per_print`` 2 over 5 steps. The files are read back (TensorBoard through the tensorboard
 package's reader): every step's ``train_loss`` at x = global samples equals the mean over the ranks
 of the losses each rank saw, ``lr`` follows the scheduler, and after step 5 (mid-interval) the files
-already hold steps 1-4: flushed without closing, so a crash loses at most one interval.
+already hold every step's ``lr`` (written at each step, as DeepSpeed) and steps 1-4's losses (written
+per interval, after the ranks' average): flushed without closing.
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ def worker(rank: int, world: int, out: str) -> dict:
             lrs.append(engine.get_lr()[0])
         # Step 5 ends no interval: what is on disk now is what a crash here would leave.
         rows = _csv(Path(out) / f"{job}_csv" / "Train_Samples_train_loss.csv") if rank == 0 else []
+        lr_rows = _csv(Path(out) / f"{job}_csv" / "Train_Samples_lr.csv") if rank == 0 else []
         result[job] = {"losses": torch.tensor(losses, dtype=torch.float64), "lrs": torch.tensor(lrs),
-                       "rows_before_close": len(rows)}
+                       "rows_before_close": len(rows), "lr_rows_before_close": len(lr_rows)}
     return result
 
 
@@ -76,12 +78,14 @@ def test_monitor_files_after_two_rank_run(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     results = run_distributed(worker, 2, str(tmp_path), timeout=400)
-    steps = STEPS - STEPS % EVERY  # written so far: whole intervals
+    steps = STEPS - STEPS % EVERY  # losses written so far: whole intervals
     xs = [BATCH * (s + 1) for s in range(steps)]
+    every_x = [BATCH * (s + 1) for s in range(STEPS)]  # the host numbers: every step, as DeepSpeed
     for job, (_stage, fp16) in CASES.items():
         mean_loss = (results[0][job]["losses"] + results[1][job]["losses"]) / 2
         lrs = results[0][job]["lrs"].tolist()
         assert results[0][job]["rows_before_close"] == steps
+        assert results[0][job]["lr_rows_before_close"] == STEPS  # flushed at each step
 
         (event_file,) = (tmp_path / f"{job}_tb").iterdir()  # rank 0 alone writes
         acc = EventAccumulator(str(event_file))
@@ -99,9 +103,9 @@ def test_monitor_files_after_two_rank_run(tmp_path: Path) -> None:
         assert [e.step for e in loss] == xs
         torch.testing.assert_close(torch.tensor([e.value for e in loss], dtype=torch.float64),
                                    mean_loss[:steps], rtol=1e-6, atol=0)
-        assert [e.step for e in acc.Scalars(TAG + "lr")] == xs
+        assert [e.step for e in acc.Scalars(TAG + "lr")] == every_x
         torch.testing.assert_close(torch.tensor([e.value for e in acc.Scalars(TAG + "lr")]),
-                                   torch.tensor(lrs[:steps]), rtol=1e-6, atol=0)
+                                   torch.tensor(lrs), rtol=1e-6, atol=0)
         assert all(e.value > 0 for e in acc.Scalars(TAG + "elapsed_time_ms_step"))
 
         csv_dir = tmp_path / f"{job}_csv"
@@ -109,7 +113,7 @@ def test_monitor_files_after_two_rank_run(tmp_path: Path) -> None:
         assert [s for s, _ in csv_loss] == xs
         torch.testing.assert_close(torch.tensor([v for _, v in csv_loss], dtype=torch.float64),
                                    mean_loss[:steps], rtol=1e-6, atol=0)
-        assert [s for s, _ in _csv(csv_dir / "Train_Samples_lr.csv")] == xs
+        assert [s for s, _ in _csv(csv_dir / "Train_Samples_lr.csv")] == every_x
 
 
 SCRIPT = textwrap.dedent("""

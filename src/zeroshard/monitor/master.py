@@ -8,6 +8,8 @@ whole job at ``initialize`` with a :class:`~zeroshard.errors.ConfigError` naming
 
 from __future__ import annotations
 
+import atexit
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +45,8 @@ class MonitorMaster:
         self.monitors: list[Monitor] = []
         if rank == 0:
             self.monitors = [_backend_class(BACKENDS[key][2])(getattr(config, key)) for key in blocks]
+        if self.monitors:  # a script that never calls engine.destroy(): its event files end complete
+            atexit.register(_close_at_exit, weakref.ref(self))
 
     def write_events(self, events: list[Event]) -> None:
         """Hand the events to every monitor (a no-op off rank 0)."""
@@ -59,3 +63,9 @@ class MonitorMaster:
         for m in self.monitors:
             m.close()
         self.monitors = []
+
+
+def _close_at_exit(ref: weakref.ref[MonitorMaster]) -> None:
+    master = ref()
+    if master is not None:
+        master.close()

@@ -2,10 +2,12 @@
 
 The engine hands each optimizer step's numbers to :class:`Reporter` (:meth:`Reporter.step_done`).
 What is cheap stays on the host (lr, loss scale, gradient norm, timer totals); the loss stays on
-the device, so a step costs no synchronisation. Every ``interval`` steps one all-reduce averages
-the per-step losses over the ranks and sums the tokens seen (one collective and one host sync per
-interval), then rank 0 logs the line and writes and flushes the monitors, so a crash loses at
-most one interval of scalars. The interval is ``steps_per_print``; without it, 1 when
+the device, so a step costs no synchronisation. Rank 0 writes the host numbers to the monitors at
+every step, as DeepSpeed does. Every ``interval`` steps one all-reduce averages the per-step
+losses over the ranks and sums the tokens seen (one collective and one host sync per interval),
+then rank 0 logs the line and writes the interval's losses (each at its own step) and throughput:
+the losses of steps after the last full interval are not written (every rank would have to join
+a collective at the end). The interval is ``steps_per_print``; without it, 1 when
 ``wall_clock_breakdown`` or a monitor asks for output (DeepSpeed writes and prints those every
 step). Every rank takes the same decision from the same config, so the collective matches.
 
@@ -94,7 +96,7 @@ class Reporter:
         #: tokens per sample, overriding the count from the inputs (see the module doc)
         self.tokens_per_sample: int | None = None
         self._tokens = 0
-        self._steps: list[tuple[int, torch.Tensor, list[Event]]] = []  # (x, loss, host events)
+        self._steps: list[tuple[int, torch.Tensor]] = []  # (x, loss on the device) since the last report
         self._window_timers: dict[str, float] = {}
         self._last_time = time.perf_counter()
 
@@ -121,7 +123,10 @@ class Reporter:
             events.append((TAG + "grad_norm", norm, x))
         if self.timers.enabled:
             events += self._timer_events(x)
-        self._steps.append((x, loss.detach().float().reshape(()), events))
+        if self.rank == 0 and self.monitor.enabled:  # host numbers: written now, as DeepSpeed writes each step's
+            self.monitor.write_events(events)
+            self.monitor.flush()
+        self._steps.append((x, loss.detach().float().reshape(())))
         if engine.global_steps % self.interval == 0:
             self._report(engine)
 
@@ -140,7 +145,7 @@ class Reporter:
         """The interval's one collective, then rank 0's line and monitor writes."""
         world = C.world_size(self.group)
         control = C.control_device(self.group)
-        values = torch.cat([torch.stack([loss for _, loss, _ in self._steps]).to(control, torch.float64),
+        values = torch.cat([torch.stack([loss for _, loss in self._steps]).to(control, torch.float64),
                             torch.tensor([float(self._tokens)], dtype=torch.float64, device=control)])
         C.all_reduce(values, self.group, async_op=False)
         *losses, total_tokens = values.tolist()
@@ -162,9 +167,8 @@ class Reporter:
         tokens_per_s = tokens / elapsed if tokens > 0 else None
         x = engine.global_samples
         events: list[Event] = []
-        for (sx, _, host), value in zip(self._steps, losses):
+        for (sx, _), value in zip(self._steps, losses):
             events.append((TAG + "train_loss", value, sx))
-            events += host
         events.append((TAG + "samples_per_sec", samples_per_s, x))
         if tokens_per_s is not None:
             events.append((TAG + "tokens_per_sec", tokens_per_s, x))
