@@ -153,21 +153,25 @@ def initialize(
         if spec.stage == 3
         else ZeroOptimizer(param_groups, spec, policy, scaler, group, device, offload)
     )
-    if policy.param_dtype != torch.float32:
-        model.to(policy.param_dtype)
-    zero_opt.note_parameter_data()
-    zero_opt.sync.scaling = _reduce_scaling(cfg, C.world_size(group))
-    _bind_optimizer(zero_opt, optimizer, cfg)
-    scheduler = _scheduler(lr_scheduler, zero_opt, cfg)
-    loader = _dataloader(training_data, cfg, collate_fn, group)
-    engine = ZeroEngine(model, zero_opt, cfg, policy, scheduler, group)
-    engine.training_dataloader = loader
-    engine.collate_fn = collate_fn  # deepspeed_io's default, as in DeepSpeed
-    if cfg.checkpoint.auto_resume:
-        path, _ = engine.load_checkpoint(cfg.checkpoint.auto_resume)
-        if C.rank(group) == 0:
-            logger.warning("zeroshard: %s", f"resumed from {path} at step {engine.global_steps}" if path else
-                           f"auto_resume: no checkpoint in {cfg.checkpoint.auto_resume} yet, starting afresh")
+    try:  # a failure from here on (a bad optimizer or scheduler, auto_resume) must not leave swap files behind
+        if policy.param_dtype != torch.float32:
+            model.to(policy.param_dtype)
+        zero_opt.note_parameter_data()
+        zero_opt.sync.scaling = _reduce_scaling(cfg, C.world_size(group))
+        _bind_optimizer(zero_opt, optimizer, cfg)
+        scheduler = _scheduler(lr_scheduler, zero_opt, cfg)
+        loader = _dataloader(training_data, cfg, collate_fn, group)
+        engine = ZeroEngine(model, zero_opt, cfg, policy, scheduler, group)
+        engine.training_dataloader = loader
+        engine.collate_fn = collate_fn  # deepspeed_io's default, as in DeepSpeed
+        if cfg.checkpoint.auto_resume:
+            path, _ = engine.load_checkpoint(cfg.checkpoint.auto_resume)
+            if C.rank(group) == 0:
+                logger.warning("zeroshard: %s", f"resumed from {path} at step {engine.global_steps}" if path else
+                               f"auto_resume: no checkpoint in {cfg.checkpoint.auto_resume} yet, starting afresh")
+    except BaseException:
+        _discard(zero_opt)
+        raise
     if C.rank(group) == 0:
         warn_no_effect(cfg)
         if cfg.dump_state:  # DeepSpeed's dump_state: the engine's settings after initialization
@@ -176,6 +180,17 @@ def initialize(
                 spec.stage, policy.param_dtype, engine.world_size, sum(full_numel(p) for p in zero_opt.master.views),
                 time.perf_counter() - started)
     return engine, zero_opt, loader, scheduler
+
+
+def _discard(zero_opt: ZeroOptimizer) -> None:
+    """Undo what a half-built engine holds outside the model: gradient and ZeRO-3 hooks, and the
+    offload store's swap files and I/O threads (they stayed until the interpreter exited: a
+    notebook's retry, or a hyperparameter search, counted them against the disk)."""
+    zero_opt.sync.remove_hooks()
+    coordinator = getattr(zero_opt, "coordinator", None)
+    if coordinator is not None:
+        coordinator.remove_hooks()
+    zero_opt.close()
 
 
 def _reduce_scaling(cfg: ZeroshardConfig, world: int) -> tuple[float, float] | None:

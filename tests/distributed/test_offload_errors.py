@@ -113,6 +113,10 @@ def config_errors(root: Path) -> dict[str, Any]:
         out["space"] = _init_error(config(2, str(small)))
         out["space params"] = _init_error(config(3, str(good), str(small), params=True))
     out["space path"] = str(small)
+    # past the swap files: an optimizer the config cannot build (it left them until the process exited)
+    for stage in (2, 3):
+        out[f"bad optimizer {stage}"] = _init_error({**config(stage, str(good), str(good), params=stage == 3),
+                                                     "optimizer": {"type": "NoSuchOptimizer"}})
     # nothing may be left behind by a failed initialize (the optimizer's directory included, when
     # the parameters' path is the one that fails)
     out["left"] = {p.name: _runs_left(p) for p in (good, small)}
@@ -257,6 +261,12 @@ def test_too_little_disk_space_names_bytes_needed_and_free(results: dict[str, An
 def test_failed_initialize_leaves_no_swap_directory(results: dict[str, Any]) -> None:
     """A bad optimizer path fails before any directory is made."""
     assert results["config"]["left"]["small"] == [], results["config"]["left"]
+
+
+def test_initialize_failing_after_the_swap_files_removes_them(results: dict[str, Any]) -> None:
+    for stage in (2, 3):
+        assert "NoSuchOptimizer" in results["config"][f"bad optimizer {stage}"]["message"]
+    assert results["config"]["left"]["good"] == [], results["config"]["left"]
 
 
 def test_failed_parameter_path_leaves_no_optimizer_swap_directory(results: dict[str, Any]) -> None:

@@ -19,7 +19,7 @@ import torch
 
 from zeroshard.errors import ConfigError, OffloadIOError
 from zeroshard.offload.aio import ALIGNMENT, AsyncIO, SwapFile, aligned_empty, check_free_space
-from zeroshard.offload.swap_files import remove_swap_dir, round_up, swap_dir
+from zeroshard.offload.swap_files import _host, remove_swap_dir, round_up, swap_dir
 
 MODES = ["direct", "buffered"]
 
@@ -381,11 +381,32 @@ def test_check_free_space_too_little(tmp_path: Path, monkeypatch: pytest.MonkeyP
 def test_swap_dir_fresh_and_removed(tmp_path: Path) -> None:
     a, b = swap_dir(tmp_path / "nvme", 0), swap_dir(tmp_path / "nvme", 1)
     assert a != b and a.name == "rank0" and b.name == "rank1"
-    assert a.parent.name.startswith(f"zeroshard-swap-{os.getpid()}-") and a.parent != b.parent
+    assert a.parent.name.startswith(f"zeroshard-swap-{_host()}-{os.getpid()}-") and a.parent != b.parent
     SwapFile(a / "f", 100).close(remove=False)
     remove_swap_dir(a)
     remove_swap_dir(b)
     assert list((tmp_path / "nvme").iterdir()) == []
+
+
+def test_swap_dirs_of_dead_processes_of_this_host_are_removed(tmp_path: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """A killed run's swap files (SIGKILL, SIGTERM from torchrun) piled up run after run and filled a
+    disk sized for one job; the next run's check removes those of processes that no longer exist."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    gone = int(dead.stdout)
+    names = {"stale": f"zeroshard-swap-{_host()}-{gone}-0a0b0c0d",
+             "live": f"zeroshard-swap-{_host()}-{os.getpid()}-1",
+             "other_host": f"zeroshard-swap-otherhost-{gone}-2", "old_format": f"zeroshard-swap-{gone}-3"}
+    for name in names.values():
+        (tmp_path / name / "rank0").mkdir(parents=True)
+        (tmp_path / name / "rank0" / "master.swp").write_bytes(b"x" * 8192)
+    (tmp_path / "checkpoint").mkdir()
+    with caplog.at_level("WARNING", logger="zeroshard"):
+        check_free_space(tmp_path, 1, KEY)
+    left = {p.name for p in tmp_path.iterdir()}
+    assert left == set(names.values()) - {names["stale"]} | {"checkpoint"}
+    assert names["stale"] in caplog.text and "8192 bytes" in caplog.text
 
 
 def test_swap_dir_removed_at_clean_exit_and_left_by_a_crash(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ class NotYetSupported(NamedTuple):
     @property
     def message(self) -> str:
         """The error message."""
-        return f"{self.feature} is not yet supported (coming with the {self.issue} issue)"
+        return f"{self.feature} is not yet supported (planned: {self.issue})"
 
 
 def _partial(ratio: float) -> bool:
@@ -41,7 +41,8 @@ def _partial(ratio: float) -> bool:
 # fmt: off
 NOT_YET_SUPPORTED: list[NotYetSupported] = [
     NotYetSupported("zero_optimization.offload_optimizer.ratio", _partial,
-                    "partial optimizer offload (ratio below 1.0; offload all of it or none)", "a later offload"),
+                    "partial optimizer offload (ratio below 1.0; offload all of it or none)",
+                    "a later offload release"),
 ]
 """Features not supported yet, checked in order by :func:`check_supported`. Delete a row when its feature
 lands."""

@@ -215,7 +215,10 @@ def placement(spec: ModelSpec, stage: int, world: int, dtype: str = "bf16", grad
     buckets = buckets or Buckets()
     c, a = DTYPE_BYTES[dtype], DTYPE_BYTES[grad_accum_dtype]
     psi = int(spec.total_params)
-    rows = [psi] if stage == 0 else bucket_rows(spec, stage, world, buckets.reduce_bucket_size)
+    bucket_size = buckets.reduce_bucket_size
+    if off.optimizer == "nvme" and stage < 3:  # the engine keeps buckets within a sub-group there
+        bucket_size = min(bucket_size, off.sub_group_size * world)
+    rows = [psi] if stage == 0 else bucket_rows(spec, stage, world, bucket_size)
     shard = sum(rows)
     host_pin = "pinned_host" if accelerator else "host"
     where = _Places("device" if accelerator else "host", host_pin,

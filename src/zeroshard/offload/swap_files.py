@@ -1,10 +1,13 @@
 """Swap files and swap directories for NVMe offload, and aligned host buffers to fill them from.
 
 The I/O engine (:mod:`zeroshard.offload.aio`) reads and writes the files made here. A run puts its
-files in a fresh directory per process and rank, ``<nvme_path>/zeroshard-swap-<pid>-<random>/rank<r>``
+files in a fresh directory per process and rank, ``<nvme_path>/zeroshard-swap-<host>-<pid>-<random>/rank<r>``
 (:func:`swap_dir`): two runs, or two ranks, never share a file, and a directory left by a crashed
 run is never reused. :func:`remove_swap_dir` deletes it; an ``atexit`` hook deletes what is left on
-a clean interpreter exit (and a ``multiprocessing`` finalizer at the end of a child process).
+a clean interpreter exit (and a ``multiprocessing`` finalizer at the end of a child process). A
+process killed (SIGKILL, the OOM killer; SIGTERM from torchrun when another rank fails) leaves its
+directory; the next run on the same host removes those of processes that no longer exist
+(:func:`remove_stale_swap_dirs`), so they neither pile up nor fill the disk.
 
 A :class:`SwapFile` is preallocated at creation (``posix_fallocate``), so a disk too small fails
 then and not in the middle of training, and is opened once, with ``O_DIRECT`` where the filesystem
@@ -17,10 +20,13 @@ from __future__ import annotations
 
 import atexit
 import errno
+import logging
 import multiprocessing.util
 import os
+import re
 import secrets
 import shutil
+import socket
 import threading
 from pathlib import Path
 from types import TracebackType
@@ -36,10 +42,13 @@ __all__ = [
     "aligned_empty",
     "byte_view",
     "check_free_space",
+    "remove_stale_swap_dirs",
     "remove_swap_dir",
     "round_up",
     "swap_dir",
 ]
+
+logger = logging.getLogger("zeroshard")
 
 ALIGNMENT = 4096
 """Bytes: the logical block size assumed for ``O_DIRECT`` (that of every NVMe drive and most disks)."""
@@ -86,7 +95,8 @@ def _human(nbytes: int) -> str:
 
 
 def check_free_space(directory: Path, nbytes: int, what: str) -> None:
-    """Check that ``directory`` exists, is a writable directory, and has ``nbytes`` bytes free.
+    """Check that ``directory`` exists, is a writable directory, and has ``nbytes`` bytes free
+    (after removing the swap directories of dead processes of this host: :func:`remove_stale_swap_dirs`).
 
     Args:
         directory: where swap files will go (the config's ``nvme_path``).
@@ -104,6 +114,7 @@ def check_free_space(directory: Path, nbytes: int, what: str) -> None:
         raise ConfigError(f"{directory} is not a directory; swap files need a directory to go in", key=what)
     if not os.access(directory, os.W_OK | os.X_OK):
         raise ConfigError(f"{directory} is not writable by this process (uid {os.getuid()})", key=what)
+    remove_stale_swap_dirs(directory)
     free = shutil.disk_usage(directory).free
     if free < nbytes:
         raise ConfigError(
@@ -148,19 +159,57 @@ _SWAP_DIRS = _SwapDirs()
 
 
 def swap_dir(nvme_path: Path, rank: int) -> Path:
-    """Create a fresh directory for this process's swap files: ``nvme_path/zeroshard-swap-<pid>-<hex>/rank<r>``.
+    """Create a fresh directory for this process's swap files:
+    ``nvme_path/zeroshard-swap-<host>-<pid>-<hex>/rank<r>``.
 
     The directory is removed with everything in it by :func:`remove_swap_dir`, and by an ``atexit``
     hook on a clean interpreter exit; a crash leaves it (the name says which process made it).
     """
     nvme_path = Path(nvme_path)
     nvme_path.mkdir(parents=True, exist_ok=True)
-    run_dir = nvme_path / f"{_RUN_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+    run_dir = nvme_path / f"{_RUN_PREFIX}{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
     run_dir.mkdir(exist_ok=False)  # never reuse a directory, even one with the same pid from a past run
     rank_dir = run_dir / f"rank{rank}"
     rank_dir.mkdir()
     _SWAP_DIRS.add(rank_dir)
     return rank_dir
+
+
+def _host() -> str:
+    """This host's name as it goes in a swap directory's name (no ``-``, which separates the fields)."""
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_swap_dirs(nvme_path: Path) -> int:
+    """Remove the swap directories under ``nvme_path`` that processes of this host made and that no
+    longer exist (killed before they could clean up); returns the bytes freed.
+
+    Directories of other hosts (a shared filesystem) and of live processes are never touched, nor
+    anything else under ``nvme_path``: swap files hold nothing a later run can use (checkpoints are
+    written elsewhere).
+    """
+    freed = 0
+    for entry in Path(nvme_path).glob(f"{_RUN_PREFIX}*"):
+        fields = entry.name[len(_RUN_PREFIX):].rsplit("-", 2)
+        if len(fields) != 3 or fields[0] != _host() or not fields[1].isdigit() or _alive(int(fields[1])):
+            continue
+        size = sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
+        shutil.rmtree(entry, ignore_errors=True)
+        if not entry.exists():
+            freed += size
+            logger.warning("removed %s (%s) left by process %s of this host, which no longer runs",
+                           entry, _human(size), fields[1])
+    return freed
 
 
 def remove_swap_dir(directory: Path) -> None:

@@ -163,6 +163,11 @@ class ZeroOptimizer:
     def _make_buckets(self, params: list[torch.nn.Parameter]) -> list[Bucket]:
         layout_world = self.world if self.spec.stage >= 1 else 1
         size = buffer_numel(self.spec.reduce_bucket_size) if self.spec.stage >= 2 else self.spec.reduce_bucket_size
+        if self.offload.optimizer is Residency.FILE:
+            # A sub-group is a run of whole buckets: buckets no larger than it keep the host memory
+            # of the step at sub_group_size (DeepSpeed's reduce_bucket_size of 5e8 made one sub-group
+            # of the whole shard, all of it in host memory).
+            size = min(size, self.offload.sub_group_size * layout_world)
         # Reverse registration order approximates the order in which backward produces gradients.
         return make_buckets(list(reversed(params)), layout_world, size)
 
