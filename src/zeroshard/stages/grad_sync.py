@@ -267,9 +267,10 @@ class _FullAccumulatorSync(GradSync):
 
     The first gradient of a window is copied into the accumulator and later ones are added, so
     the accumulator is never zero-filled after a step; parameters that no micro-step wrote are
-    zeroed just before the collective. Gradients are divided by the world size as they are
+    zeroed just before the collective. Stage 1 divides gradients by the world size as they are
     written, so the reduced sum is already the average (exact for powers of two) and no pass over
-    the result is needed.
+    the result is needed; stage 0 divides after the all-reduce, so that its accumulator is
+    PyTorch's ``.grad`` in between (:class:`AllReduceSync`).
     """
 
     def __init__(self, *args: object, **kwargs: object) -> None:
@@ -298,10 +299,13 @@ class _FullAccumulatorSync(GradSync):
         a = self.layout_world * bucket.start
         return self.acc[a : a + bucket.full_numel].view(self.layout_world, bucket.numel)
 
+    #: the factor gradients are written with by default (the stage's placement of the 1/world average)
+    default_pre = "world"
+
     def _write(self, bucket: Bucket, i: int, grad: torch.Tensor, first_in_window: bool) -> None:
         off, k = bucket.offsets[i], bucket.layouts[i].shard_numel
-        scatter_into_rows(self._rows(bucket)[:, off : off + k], grad, accumulate=not first_in_window,
-                          alpha=self._pre(1.0 / self.world))
+        pre = self._pre(1.0 / self.world if self.default_pre == "world" else 1.0)
+        scatter_into_rows(self._rows(bucket)[:, off : off + k], grad, accumulate=not first_in_window, alpha=pre)
 
     def _wire(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's accumulator region, complete, in the reduction dtype."""
@@ -324,29 +328,41 @@ class _FullAccumulatorSync(GradSync):
 class AllReduceSync(_FullAccumulatorSync):
     """Stage 0: all-reduce the full accumulator bucket by bucket; every rank keeps everything.
 
-    After the backward that reduces, each parameter's ``.grad`` is a view of its averaged gradient
-    in the accumulator (fp32 training, where it has the parameter's dtype and no loss scale), as
-    DeepSpeed's stage 0 and DDP leave it: a script can clip it by hand (``clip_grad_norm_``), log
-    its norm or set it to ``None`` to skip the parameter (:meth:`take_exposed`). Between
-    micro-steps ``.grad`` stays ``None``: the accumulator then holds this rank's share only.
+    Gradients accumulate as plain PyTorch's ``.grad`` does (not divided by the world size) and the
+    average is taken after the all-reduce, so between backward and step each parameter's ``.grad``
+    can be a view of its accumulated gradient, as DeepSpeed's stage 0 and DDP leave it: this rank's
+    sum between micro-steps (``no_sync`` included), the averaged one after the window's last
+    backward. A script can read it (``p.grad.norm()``), clip it by hand, assign it, or set it to
+    ``None`` (``module.zero_grad()``) to drop it, and the next backward or the step takes what it
+    finds (:meth:`take_exposed`). fp32 training only, where the accumulator has the parameter's
+    dtype and no loss scale, and without ``prescale_gradients``/``gradient_predivide_factor``.
     """
 
+    default_pre = "one"
+
+    def _post_default(self) -> float:
+        return self._post(1.0 / self.world)
+
     def start_backward(self, boundary: bool) -> None:
-        if self._exposed:  # another backward in the boundary micro-step: keep what the script did
+        if self._exposed:  # the script may have edited or dropped .grad since the last backward
             dropped = self.take_exposed()
             self._seen.difference_update(self._index[p] for p in dropped)
         super().start_backward(boundary)
 
     def finish_backward(self) -> None:
         super().finish_backward()
-        if self.boundary and self.reduced:
-            for b in self.buckets:
-                region = self._rows(b)[0]
-                for p, off in zip(b.params, b.offsets):
-                    # fp32 only: 16-bit parameters' averaged gradient is in another dtype (and scaled in fp16)
-                    if p.dtype == region.dtype == torch.float32 and p.device == region.device:
-                        self._exposed[p] = region[off : off + p.numel()].view(p.shape)
-                        p.grad = self._exposed[p]
+        reduced = self.boundary and self.reduced
+        if not reduced and self._pre(1.0) != 1.0:  # a scaled local sum is not PyTorch's .grad
+            return
+        for b in self.buckets:
+            region = self._rows(b)[0]
+            for i, (p, off) in enumerate(zip(b.params, b.offsets)):
+                # fp32 only: 16-bit parameters' gradient is in another dtype (and scaled in fp16). Between
+                # micro-steps only what this window wrote: the rest of the buffer holds old values.
+                if (p.dtype == region.dtype == torch.float32 and p.device == region.device
+                        and (reduced or self._index[b.params[i]] in self._seen)):
+                    self._exposed[p] = region[off : off + p.numel()].view(p.shape)
+                    p.grad = self._exposed[p]
 
     def _launch(self, bucket: Bucket) -> Callable[[], None]:
         region = self._rows(bucket).view(-1)
@@ -358,14 +374,14 @@ class AllReduceSync(_FullAccumulatorSync):
                 work.wait()
             if wire is not region:
                 region.copy_(wire)
-            if self._post(1.0) != 1.0:
-                region.mul_(self._post(1.0))
+            if self._post_default() != 1.0:
+                region.mul_(self._post_default())
 
         return finalize
 
     def _unreduce(self) -> None:
-        # Every rank holds the whole average: each contributes 1/world of it.
-        self.acc.mul_(1.0 / (self.world * self._post(1.0)))
+        # Every rank holds the whole average: each contributes what reduces back to it.
+        self.acc.mul_(1.0 / (self.world * self._post_default()))
 
 
 class BoundaryReduceScatterSync(_FullAccumulatorSync):
