@@ -194,21 +194,33 @@ def test_convert_hf_names_a_missing_config(root: Path, tmp_path: Path, capsys: p
 
 def test_convert_hf_refuses_a_config_of_another_model(root: Path, trained: dict[str, Any], tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    """from_pretrained fills weights a checkpoint lacks at random, with only a warning: refused up front."""
+    """from_pretrained fills weights a checkpoint lacks at random, with only a warning: refused up
+    front. A config naming no class, or another head of the same model (a fine-tune of a hub model
+    keeps the hub's), is not refused: the class the weights fit goes in the export's config.json."""
+    import shutil
+
     from zeroshard.cli.convert import main
 
     checkpoint = root / "stage3" / f"checkpoint-{W.STEPS}"
     config = json.loads((root / "init" / "config.json").read_text())
-    deeper = tmp_path / "deeper"
-    deeper.mkdir()
-    (deeper / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
-    assert main(["--hf", str(deeper), str(checkpoint), str(tmp_path / "out"), "-q"]) == 2
+
+    def model_dir(name: str, **changes: Any) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({**config, **changes}))
+        return path
+
+    assert main(["--hf", str(model_dir("deeper", num_hidden_layers=3)), str(checkpoint), str(tmp_path / "o1"),
+                 "-q"]) == 2
     err = capsys.readouterr().err
-    assert "LlamaForCausalLM" in err and "weights missing (model.layers.2." in err, err
-    assert not (tmp_path / "out").exists()
-    bare = tmp_path / "bare"  # config.save_pretrained alone names no architecture: the causal-LM head fits
-    config.pop("architectures")
-    bare.mkdir()
-    (bare / "config.json").write_text(json.dumps(config))
-    assert main(["--hf", str(bare), str(checkpoint), str(tmp_path / "out"), "-q"]) == 0
-    _load(tmp_path / "out")
+    assert "LlamaForCausalLM" in err and "weights missing or of another shape (model.layers.2." in err, err
+    assert not (tmp_path / "o1").exists()
+    for name, architectures in (("bare", None), ("other_head", ["LlamaForSequenceClassification"])):
+        out = tmp_path / f"out_{name}"
+        assert main(["--hf", str(model_dir(name, architectures=architectures)), str(checkpoint), str(out), "-q"]) == 0
+        assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"], name
+        _load(out)
+    same = tmp_path / "checkpoint-copy"  # OUT is MODEL_DIR (a Trainer checkpoint with its small files)
+    shutil.copytree(root / "init", same)
+    assert main(["--hf", str(same), str(checkpoint), str(same), "-q"]) == 0, capsys.readouterr().err
+    _load(same)

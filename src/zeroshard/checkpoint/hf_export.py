@@ -16,11 +16,13 @@ handed to ``initialize`` (or to the Trainer, or accelerate) gives exactly the na
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -83,84 +85,161 @@ def export_hf(model_dir: str | Path, checkpoint_dir: str | Path, out: str | Path
     if out.suffix == ".safetensors":
         raise CheckpointError(f"{out}: --hf writes a model directory, not a .safetensors file")
     with _open(checkpoint_dir, tag) as src:
-        names = _names(src)
-    check_names_fit_config(model_dir, names, checkpoint_dir)
+        shapes = {n: tuple(src.params[n].shape) if n in src.params else None for n in _names(src)}
+    fits = check_names_fit_config(model_dir, shapes, checkpoint_dir)
     files = convert_checkpoint(checkpoint_dir, out, tag=tag, dtype=dtype,
                                max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE)
+    if len(fits) == 1 and config.get("architectures") != fits:
+        # save_pretrained writes the class it saves (pipelines and serving read it)
+        logger.warning("config.json of %s: architectures %s -> %s, the one class the weights fit",
+                       out, config.get("architectures"), fits)
+        config["architectures"] = fits
+    elif len(fits) > 1 and not set(_configured(model_dir)) & set(fits):
+        logger.warning("config.json's architectures %s is not what the weights are; they fit %s: set it to the "
+                       "class trained", config.get("architectures"), ", ".join(fits))
     config["dtype"] = _DTYPE_NAMES[dtype]
     config.pop("torch_dtype", None)  # transformers 5 reads "dtype"; one key, so they cannot disagree
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     files.append(out / "config.json")
     for name in MODEL_FILES[1:]:
         if (model_dir / name).is_file():
-            shutil.copyfile(model_dir / name, out / name)
+            if not ((out / name).exists() and (out / name).samefile(model_dir / name)):  # OUT may be MODEL_DIR
+                shutil.copyfile(model_dir / name, out / name)
             files.append(out / name)
     return files
 
 
-#: Heads tried, in order, for a config.json that names no architecture (``config.save_pretrained`` alone).
-_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModel", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM",
-                 "AutoModelForSequenceClassification", "AutoModelForTokenClassification")
+def _class_names(config: Any) -> list[str]:
+    """Model classes for ``config``: the one ``architectures`` names first, then every class
+    transformers maps the model type to (base model and each head: causal LM, QA, image
+    classification...), for a config that names none or names another head than the one trained
+    (``config.save_pretrained`` writes ``null``; a fine-tune of a hub model keeps the hub's)."""
+    from transformers.models.auto import modeling_auto
+
+    named: list[str] = list((getattr(config, "architectures", None) or [])[:1])
+    mapped: list[str] = []
+    for table in sorted(n for n in dir(modeling_auto) if n.startswith("MODEL") and n.endswith("_MAPPING_NAMES")):
+        value = getattr(modeling_auto, table).get(getattr(config, "model_type", None))
+        for name in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(name, str) and name not in named + mapped:
+                mapped.append(name)
+    return named + mapped
 
 
-def _candidates(model_dir: Path) -> list[tuple[str, list[set[str]], set[str], str]]:
-    """For each model class ``config.json`` may describe: its name, one set of names per parameter
-    (tied names together), every ``state_dict`` name and the base-model prefix. Empty when
-    transformers is absent or cannot build the config (custom code), so nothing can be checked."""
+def _candidates(model_dir: Path) -> Iterator[tuple[str, list[set[str]], dict[str, tuple[int, ...]], str]]:
+    """For each model class ``config.json`` may describe, in the order of :func:`_class_names`: its
+    name, one set of names per parameter (tied names together), every ``state_dict`` name with its
+    shape and the base-model prefix. Nothing when transformers is absent or cannot read the config
+    (custom code)."""
     try:
         import transformers
     except ImportError:
-        return []
+        return
     try:
         config = transformers.AutoConfig.from_pretrained(model_dir)
+        names = _class_names(config)
     except Exception as e:  # a config this transformers cannot read is not ours to judge
         logger.info("not checking tensor names against %s: %s", model_dir, e)
-        return []
-    named = [getattr(transformers, a, None) for a in (getattr(config, "architectures", None) or [])[:1]]
-    builders = [c for c in named if c is not None] or [getattr(transformers, a).from_config for a in _AUTO_CLASSES]
-    found = []
-    for build in builders:
+        return
+    for name in names:
+        cls = getattr(transformers, name, None)
+        if cls is None:
+            continue
         try:
-            with torch.device("meta"):  # names and ties only: no memory, no initialisation
-                model = build(config)
-        except Exception:  # this head does not exist for the model type
+            with torch.device("meta"), _quiet_transformers():  # names and ties only: no memory, no initialisation
+                model = cls(config)
+        except Exception:  # a head this config cannot build
             continue
         tied: dict[int, set[str]] = {}
-        for name, param in model.named_parameters(remove_duplicate=False):
-            tied.setdefault(id(param), set()).add(name)
-        found.append((type(model).__name__, list(tied.values()), set(model.state_dict()),
-                      getattr(model, "base_model_prefix", "") or ""))
-    return found
+        for param_name, param in model.named_parameters(remove_duplicate=False):
+            tied.setdefault(id(param), set()).add(param_name)
+        state = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        yield name, list(tied.values()), state, getattr(model, "base_model_prefix", "") or ""
 
 
-def _mismatch(names: Iterable[str], params: list[set[str]], state_names: set[str],
-              prefix: str) -> tuple[list[str], list[str]]:
-    """Weights of the model missing from ``names``, and names that are not the model's."""
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Building heads the user did not ask for makes transformers warn about them (``is_decoder``)."""
+    log = logging.getLogger("transformers")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _mismatch(shapes: dict[str, tuple[int, ...] | None], params: list[set[str]],
+              state: dict[str, tuple[int, ...]], prefix: str) -> tuple[list[str], list[str]]:
+    """Weights of the model missing from the checkpoint (or of another shape: a head with another
+    number of labels), and the checkpoint's names (as stored) that are not the model's."""
     def bare(name: str) -> str:
         return name[len(prefix) + 1:] if prefix and name.startswith(prefix + ".") else name
 
-    have = {bare(n) for n in names}
-    missing = sorted(min(group) for group in params if not {bare(n) for n in group} & have)
-    return missing, sorted(have - {bare(n) for n in state_names})
+    have = {bare(n): shape for n, shape in shapes.items()}
+    known = {bare(n): shape for n, shape in state.items()}
+
+    def found(name: str) -> bool:
+        key = bare(name)
+        return key in have and have[key] in (None, known.get(key))
+
+    missing = sorted(min(group) for group in params if not any(found(n) for n in group))
+    return missing, sorted(n for n in shapes if bare(n) not in known)
 
 
-def check_names_fit_config(model_dir: str | Path, names: Iterable[str], checkpoint: str | Path) -> None:
-    """Refuse a checkpoint whose tensors are not the weights of ``MODEL_DIR``'s architecture.
+def _hint(unexpected: list[str]) -> str:
+    """What usually makes names not fit: PEFT's wrapper, or a module wrapping the model."""
+    if unexpected and all(n.startswith("base_model.model.") for n in unexpected):
+        return (" The names are PEFT's (base_model.model.*): merge the adapters into the model "
+                "(model.merge_and_unload()) and save that, or save the adapters with PEFT's save_pretrained.")
+    heads = {n.split(".", 1)[0] for n in unexpected}
+    if len(heads) == 1 and all("." in n for n in unexpected):
+        return (f" Every such name starts with {next(iter(heads))!r}.: the model was trained inside a wrapper "
+                "module; save the inner model's weights, or convert to safetensors without --hf and rename them.")
+    return ""
+
+
+def check_names_fit_config(model_dir: str | Path, shapes: dict[str, tuple[int, ...] | None],
+                           checkpoint: str | Path) -> list[str]:
+    """Refuse a checkpoint whose tensors are not the weights of a model ``MODEL_DIR``'s config builds.
 
     ``from_pretrained`` would otherwise initialise the missing weights at random and ignore the
-    others, with only a warning. Names may differ by the base-model prefix (``model.``), as
-    ``from_pretrained`` allows. Without ``architectures`` in ``config.json`` the common heads are
-    tried, and one that fits is enough. Skipped when transformers cannot build the model.
+    others, with only a warning. The class ``architectures`` names is tried first, then every class
+    transformers has for the model type (a config without ``architectures``, or one naming another
+    head than the one trained). Names may differ by the base-model prefix (``model.``), as
+    ``from_pretrained`` allows; trained parameters must have the model's shapes.
+
+    Args:
+        model_dir: the directory holding ``config.json``.
+        shapes: the checkpoint's tensor names, with the shape of each trained parameter (``None``:
+            not checked).
+        checkpoint: the checkpoint, for the message.
+
+    Returns:
+        The classes the weights fit: ``architectures``' own alone when it fits; empty when nothing
+        could be checked (transformers absent, a config it cannot build).
     """
-    names = list(names)
-    results = [(cls, *_mismatch(names, params, state, prefix))
-               for cls, params, state, prefix in _candidates(Path(model_dir))]
-    if not results or any(not missing and not unexpected for _, missing, unexpected in results):
-        return
-    cls, missing, unexpected = min(results, key=lambda r: len(r[1]) + len(r[2]))
+    best: tuple[str, list[str], list[str]] | None = None
+    fits: list[str] = []
+    for index, (cls, params, state, prefix) in enumerate(_candidates(Path(model_dir))):
+        missing, unexpected = _mismatch(shapes, params, state, prefix)
+        if not missing and not unexpected:
+            if index == 0 and cls in _configured(model_dir):
+                return [cls]
+            fits.append(cls)
+        elif best is None or len(missing) + len(unexpected) < len(best[1]) + len(best[2]):
+            best = (cls, missing, unexpected)
+    if fits or best is None:
+        return fits
+    cls, missing, unexpected = best
     parts = [f"{len(found)} {what} ({', '.join(found[:4])}{', ...' if len(found) > 4 else ''})"
-             for found, what in ((missing, "weights missing"), (unexpected, "tensors not in the model"))
-             if found]
-    raise CheckpointError(f"{checkpoint} does not hold the weights of the {cls} that {Path(model_dir) / 'config.json'} "
-                          f"describes: {'; '.join(parts)}; from_pretrained would initialise the missing ones at "
-                          "random. Pass the directory of the model that was trained as --hf MODEL_DIR")
+             for found, what in ((missing, "weights missing or of another shape"),
+                                 (unexpected, "tensors not in the model")) if found]
+    raise CheckpointError(f"{checkpoint} does not hold the weights of any model {Path(model_dir) / 'config.json'} "
+                          f"describes; the closest, {cls}: {'; '.join(parts)}. from_pretrained would initialise the "
+                          f"missing ones at random.{_hint(unexpected)}")
+
+
+def _configured(model_dir: str | Path) -> list[str]:
+    architectures = _read_config(Path(model_dir)).get("architectures")
+    return list(architectures) if isinstance(architectures, list) else []
