@@ -283,17 +283,26 @@ def test_hostfile_of_several_hosts_prints_one_command_per_host(
     assert len(include) == 1 and "export CUDA_VISIBLE_DEVICES=1,2" in include[0][2]
 
 
+def _env_and_argv(command: list[str]) -> tuple[dict[str, str], list[str]]:
+    """A dry-run line ``VAR=value ... python -m torch.distributed.run ARGS``: its variables and ARGS."""
+    i = command.index("torch.distributed.run")
+    return dict(t.split("=", 1) for t in command[: i - 2]), command[i + 1:]
+
+
 def test_one_host_runs_here(capsys: pytest.CaptureFixture[str], scripts: dict[str, str]) -> None:
     (command,) = _dry_run(capsys, ["--hostfile", scripts["hf"], "--include", "w1:1,3", scripts["ds"]])
-    assert command[0] == "CUDA_VISIBLE_DEVICES=1,3"
-    assert command[4:8] == ["--nproc_per_node", "2", "--nnodes", "1"]
-    assert command[-3:] == ["--", scripts["ds"], launch.LOCAL_RANK_ARG]
+    env, argv = _env_and_argv(command)
+    assert env["CUDA_VISIBLE_DEVICES"] == "1,3" and env["LOCAL_SIZE"] == "2"
+    assert argv[:4] == ["--nproc_per_node", "2", "--nnodes", "1"]
+    assert argv[-3:] == ["--", scripts["ds"], launch.LOCAL_RANK_ARG]
 
 
 def test_no_ssh_launches_this_node_of_the_hostfile(capsys: pytest.CaptureFixture[str], scripts: dict[str, str]) -> None:
     (command,) = _dry_run(capsys, ["--hostfile", scripts["hf"], "--no_ssh", "--node_rank", "1", scripts["plain"]])
-    assert command[3:] == ["--nproc_per_node", "4", "--nnodes", "2", "--node_rank", "1", "--master_addr", "w0",
-                           "--master_port", "29500", "--", scripts["plain"]]
+    env, argv = _env_and_argv(command)
+    assert argv == ["--nproc_per_node", "4", "--nnodes", "2", "--node_rank", "1", "--master_addr", "w0",
+                    "--master_port", "29500", "--", scripts["plain"]]
+    assert (env["LOCAL_SIZE"], env["CROSS_RANK"], env["CROSS_SIZE"]) == ("4", "1", "2")
 
 
 @pytest.mark.parametrize(("argv", "message"), [
