@@ -68,7 +68,8 @@ def worker(rank: int, world: int, stage: int, how: str = "before") -> dict[str, 
     return {n.removeprefix("_orig_mod."): t for n, t in gathered_weights(engine).items()}
 
 
-@pytest.mark.parametrize("stage,how", [(2, "before"), (3, "before"), (1, "engine.compile"), (3, "engine.compile")])
+@pytest.mark.parametrize("stage,how", [(0, "before"), (2, "before"), (3, "before"), (1, "engine.compile"),
+                                       (3, "engine.compile")])
 def test_compiled_model_trains_as_plain_pytorch(stage: int, how: str) -> None:
     x, y = make_data(STEPS, GA * MB * WORLD)
     want = {n: p.detach() for n, p in train_reference(_model(), x, y, LR, 1.0).named_parameters()}
