@@ -169,8 +169,8 @@ def initialize(
             if C.rank(group) == 0:
                 logger.warning("zeroshard: %s", f"resumed from {path} at step {engine.global_steps}" if path else
                                f"auto_resume: no checkpoint in {cfg.checkpoint.auto_resume} yet, starting afresh")
-    except BaseException:
-        _discard(zero_opt)
+    except BaseException:  # the hooks, swap files and I/O threads would stay until the interpreter exits
+        zero_opt.detach()
         raise
     if C.rank(group) == 0:
         warn_no_effect(cfg)
@@ -180,17 +180,6 @@ def initialize(
                 spec.stage, policy.param_dtype, engine.world_size, sum(full_numel(p) for p in zero_opt.master.views),
                 time.perf_counter() - started)
     return engine, zero_opt, loader, scheduler
-
-
-def _discard(zero_opt: ZeroOptimizer) -> None:
-    """Undo what a half-built engine holds outside the model: gradient and ZeRO-3 hooks, and the
-    offload store's swap files and I/O threads (they stayed until the interpreter exited: a
-    notebook's retry, or a hyperparameter search, counted them against the disk)."""
-    zero_opt.sync.remove_hooks()
-    coordinator = getattr(zero_opt, "coordinator", None)
-    if coordinator is not None:
-        coordinator.remove_hooks()
-    zero_opt.close()
 
 
 def _reduce_scaling(cfg: ZeroshardConfig, world: int) -> tuple[float, float] | None:

@@ -48,7 +48,8 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
-def _open(checkpoint_dir: str | Path, tag: str | None) -> CheckpointSource:
+def open_checkpoint(checkpoint_dir: str | Path, tag: str | None) -> CheckpointSource:
+    """The checkpoint at ``checkpoint_dir`` (``tag``, or the one ``latest`` names), opened for reading."""
     path = resolve_checkpoint(checkpoint_dir, tag)
     if path is None:
         if not Path(checkpoint_dir).exists():
@@ -57,7 +58,7 @@ def _open(checkpoint_dir: str | Path, tag: str | None) -> CheckpointSource:
     return open_source(path)
 
 
-def _names(src: CheckpointSource) -> list[str]:
+def export_names(src: CheckpointSource) -> list[str]:
     """Tensors to export, in the module's ``state_dict`` order, each tied parameter once."""
     known = set(src.params) | set(src.frozen) | set(src.buffers)
     ordered = [k for k in src.module_keys if k in known]
@@ -74,7 +75,7 @@ def _spec(src: CheckpointSource, name: str, dtype: torch.dtype | None) -> Tensor
 
 def iter_consolidated(src: CheckpointSource, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, full tensor)`` for every exported tensor, one at a time (floating point in ``dtype``, fp32 default)."""
-    for name in _names(src):
+    for name in export_names(src):
         t = src.read_full(name)
         yield name, t.to(dtype or torch.float32) if t.is_floating_point() else t
 
@@ -96,7 +97,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | Path, tag: st
         ready for ``model.load_state_dict``.
     """
     del lazy_mode
-    with _open(checkpoint_dir, tag) as src:
+    with open_checkpoint(checkpoint_dir, tag) as src:
         skip = set(src.frozen) if exclude_frozen_parameters else set()
         out = {name: t for name, t in iter_consolidated(src) if name not in skip}
         for alias, name in src.aliases.items():
@@ -151,8 +152,8 @@ def convert_checkpoint(checkpoint_dir: str | Path, out: str | Path, tag: str | N
     """
     out = Path(out)
     limit = None if max_shard_size is None else parse_size(max_shard_size)
-    with _open(checkpoint_dir, tag) as src:
-        specs = [_spec(src, n, dtype) for n in _names(src)]
+    with open_checkpoint(checkpoint_dir, tag) as src:
+        specs = [_spec(src, n, dtype) for n in export_names(src)]
         shards = _plan(specs, limit)
         if out.suffix == ".safetensors":
             if len(shards) > 1:

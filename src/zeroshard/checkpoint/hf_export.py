@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from zeroshard.checkpoint.consolidate import _names, _open, convert_checkpoint
+from zeroshard.checkpoint.consolidate import convert_checkpoint, export_names, open_checkpoint
 from zeroshard.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -84,17 +84,18 @@ def export_hf(model_dir: str | Path, checkpoint_dir: str | Path, out: str | Path
         raise CheckpointError(f"{out} exists and is not a directory")
     if out.suffix == ".safetensors":
         raise CheckpointError(f"{out}: --hf writes a model directory, not a .safetensors file")
-    with _open(checkpoint_dir, tag) as src:
-        shapes = {n: tuple(src.params[n].shape) if n in src.params else None for n in _names(src)}
-    fits = check_names_fit_config(model_dir, shapes, checkpoint_dir)
+    with open_checkpoint(checkpoint_dir, tag) as src:
+        shapes = {n: tuple(src.params[n].shape) if n in src.params else None for n in export_names(src)}
+    named = _architectures(config)
+    fits = check_names_fit_config(model_dir, shapes, checkpoint_dir, named)
     files = convert_checkpoint(checkpoint_dir, out, tag=tag, dtype=dtype,
                                max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE)
-    if len(fits) == 1 and config.get("architectures") != fits:
+    if len(fits) == 1 and named != fits:
         # save_pretrained writes the class it saves (pipelines and serving read it)
-        logger.warning("config.json of %s: architectures %s -> %s, the one class the weights fit",
-                       out, config.get("architectures"), fits)
+        logger.warning("config.json of %s: architectures %s -> %s, the one class the weights fit", out,
+                       config.get("architectures"), fits)
         config["architectures"] = fits
-    elif len(fits) > 1 and not set(_configured(model_dir)) & set(fits):
+    elif len(fits) > 1 and not set(named) & set(fits):
         logger.warning("config.json's architectures %s is not what the weights are; they fit %s: set it to the "
                        "class trained", config.get("architectures"), ", ".join(fits))
     config["dtype"] = _DTYPE_NAMES[dtype]
@@ -200,7 +201,7 @@ def _hint(unexpected: list[str]) -> str:
 
 
 def check_names_fit_config(model_dir: str | Path, shapes: dict[str, tuple[int, ...] | None],
-                           checkpoint: str | Path) -> list[str]:
+                           checkpoint: str | Path, named: list[str]) -> list[str]:
     """Refuse a checkpoint whose tensors are not the weights of a model ``MODEL_DIR``'s config builds.
 
     ``from_pretrained`` would otherwise initialise the missing weights at random and ignore the
@@ -214,6 +215,7 @@ def check_names_fit_config(model_dir: str | Path, shapes: dict[str, tuple[int, .
         shapes: the checkpoint's tensor names, with the shape of each trained parameter (``None``:
             not checked).
         checkpoint: the checkpoint, for the message.
+        named: the classes ``config.json``'s ``architectures`` lists.
 
     Returns:
         The classes the weights fit: ``architectures``' own alone when it fits; empty when nothing
@@ -221,10 +223,10 @@ def check_names_fit_config(model_dir: str | Path, shapes: dict[str, tuple[int, .
     """
     best: tuple[str, list[str], list[str]] | None = None
     fits: list[str] = []
-    for index, (cls, params, state, prefix) in enumerate(_candidates(Path(model_dir))):
+    for cls, params, state, prefix in _candidates(Path(model_dir)):
         missing, unexpected = _mismatch(shapes, params, state, prefix)
         if not missing and not unexpected:
-            if index == 0 and cls in _configured(model_dir):
+            if cls in named:  # tried first: the other classes need not be built
                 return [cls]
             fits.append(cls)
         elif best is None or len(missing) + len(unexpected) < len(best[1]) + len(best[2]):
@@ -240,6 +242,7 @@ def check_names_fit_config(model_dir: str | Path, shapes: dict[str, tuple[int, .
                           f"missing ones at random.{_hint(unexpected)}")
 
 
-def _configured(model_dir: str | Path) -> list[str]:
-    architectures = _read_config(Path(model_dir)).get("architectures")
-    return list(architectures) if isinstance(architectures, list) else []
+def _architectures(config: dict[str, object]) -> list[str]:
+    """The classes a ``config.json`` lists under ``architectures`` (``null`` when saved without a model)."""
+    value = config.get("architectures")
+    return [a for a in value if isinstance(a, str)] if isinstance(value, list) else []

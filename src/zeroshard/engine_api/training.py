@@ -303,21 +303,13 @@ class TrainingAPI:
         """Detach the engine from the module (gradient hooks, ZeRO-3 hooks), stop the communication
         logger, close the monitors and remove the offload swap files. The engine cannot train
         afterwards."""
-        sync = getattr(self.optimizer, "sync", None)
-        if sync is not None:
-            sync.remove_hooks()
-        coordinator = getattr(self.optimizer, "coordinator", None)
-        if coordinator is not None:
-            coordinator.remove_hooks()
+        self.optimizer.detach()  # gradient and ZeRO-3 hooks, swap files of NVMe offload
         comms = getattr(self, "comms_logger", None)
         if comms is not None:
             comms.uninstall()
         monitor = getattr(self, "monitor", None)
         if monitor is not None:
             monitor.close()
-        close = getattr(self.optimizer, "close", None)
-        if close is not None:  # swap files of NVMe offload
-            close()
 
     # -- config keys acting at the step ----------------------------------------------------------------
     def _check_unused_parameters(self) -> None:

@@ -198,10 +198,10 @@ def remove_stale_swap_dirs(nvme_path: Path) -> int:
     anything else under ``nvme_path``: swap files hold nothing a later run can use (checkpoints are
     written elsewhere).
     """
-    freed = 0
+    freed, host = 0, _host()
     for entry in Path(nvme_path).glob(f"{_RUN_PREFIX}*"):
         fields = entry.name[len(_RUN_PREFIX):].rsplit("-", 2)
-        if len(fields) != 3 or fields[0] != _host() or not fields[1].isdigit() or _alive(int(fields[1])):
+        if len(fields) != 3 or fields[0] != host or not fields[1].isdigit() or _alive(int(fields[1])):
             continue
         size = sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
         shutil.rmtree(entry, ignore_errors=True)

@@ -299,13 +299,14 @@ class _FullAccumulatorSync(GradSync):
         a = self.layout_world * bucket.start
         return self.acc[a : a + bucket.full_numel].view(self.layout_world, bucket.numel)
 
-    #: the factor gradients are written with by default (the stage's placement of the 1/world average)
-    default_pre = "world"
+    def _pre_default(self) -> float:
+        """The factor gradients are written with (the stage's placement of the 1/world average)."""
+        return self._pre(1.0 / self.world)
 
     def _write(self, bucket: Bucket, i: int, grad: torch.Tensor, first_in_window: bool) -> None:
         off, k = bucket.offsets[i], bucket.layouts[i].shard_numel
-        pre = self._pre(1.0 / self.world if self.default_pre == "world" else 1.0)
-        scatter_into_rows(self._rows(bucket)[:, off : off + k], grad, accumulate=not first_in_window, alpha=pre)
+        scatter_into_rows(self._rows(bucket)[:, off : off + k], grad, accumulate=not first_in_window,
+                          alpha=self._pre_default())
 
     def _wire(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's accumulator region, complete, in the reduction dtype."""
@@ -338,7 +339,14 @@ class AllReduceSync(_FullAccumulatorSync):
     dtype and no loss scale, and without ``prescale_gradients``/``gradient_predivide_factor``.
     """
 
-    default_pre = "one"
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        #: ``(parameter, index, view of its gradient in the accumulator)`` for the parameters whose
+        #: ``.grad`` it can be, built at the first backward (after ``initialize`` casts the model)
+        self._grad_views: list[tuple[torch.nn.Parameter, int, torch.Tensor]] | None = None
+
+    def _pre_default(self) -> float:
+        return self._pre(1.0)
 
     def _post_default(self) -> float:
         return self._post(1.0 / self.world)
@@ -352,17 +360,18 @@ class AllReduceSync(_FullAccumulatorSync):
     def finish_backward(self) -> None:
         super().finish_backward()
         reduced = self.boundary and self.reduced
-        if not reduced and self._pre(1.0) != 1.0:  # a scaled local sum is not PyTorch's .grad
+        if not reduced and self._pre_default() != 1.0:  # a scaled local sum is not PyTorch's .grad
             return
-        for b in self.buckets:
-            region = self._rows(b)[0]
-            for i, (p, off) in enumerate(zip(b.params, b.offsets)):
-                # fp32 only: 16-bit parameters' gradient is in another dtype (and scaled in fp16). Between
-                # micro-steps only what this window wrote: the rest of the buffer holds old values.
-                if (p.dtype == region.dtype == torch.float32 and p.device == region.device
-                        and (reduced or self._index[b.params[i]] in self._seen)):
-                    self._exposed[p] = region[off : off + p.numel()].view(p.shape)
-                    p.grad = self._exposed[p]
+        if self._grad_views is None:
+            # fp32 only: 16-bit parameters' gradient is in another dtype (and scaled in fp16)
+            self._grad_views = [
+                (p, self._index[p], region[off : off + p.numel()].view(p.shape))
+                for b in self.buckets for region in [self._rows(b)[0]] for p, off in zip(b.params, b.offsets)
+                if p.dtype == region.dtype == torch.float32 and p.device == region.device]
+        for p, k, view in self._grad_views:
+            if reduced or k in self._seen:  # between micro-steps the rest of the buffer holds old values
+                self._exposed[p] = view
+                p.grad = view
 
     def _launch(self, bucket: Bucket) -> Callable[[], None]:
         region = self._rows(bucket).view(-1)

@@ -228,6 +228,11 @@ class Stage3Optimizer(ZeroOptimizer):
         out["gathered_peak"] = self.coordinator.peak_gathered_numel * self.policy.param_dtype.itemsize
         return out
 
+    def detach(self) -> None:
+        """Also remove the coordinator's module hooks."""
+        self.coordinator.remove_hooks()
+        super().detach()
+
     def close(self) -> None:
         """Also remove the parameter swap file, if any."""
         super().close()

@@ -442,6 +442,12 @@ class ZeroOptimizer:
         """Release what the state store holds outside memory (swap files, I/O threads)."""
         self.store.close()
 
+    def detach(self) -> None:
+        """Remove the gradient hooks from the parameters and :meth:`close`: an engine being
+        destroyed, or one ``initialize`` failed to finish. Training afterwards is not possible."""
+        self.sync.remove_hooks()
+        self.close()
+
     def memory_placement(self) -> dict[str, dict[str, int]]:
         """Bytes of each kind of state by where they live (``device``, ``host``, ``pinned_host``,
         ``file``): ``{"master_weights": {"host": n}, ...}``."""

@@ -96,9 +96,9 @@ def _require(param: torch.nn.Parameter, what: str) -> _Fragment:
 
 
 def _state(frag: _Fragment, key: str) -> torch.Tensor:
-    state = frag.owner.store.state(frag.master) if frag.owner.store.has_state(frag.master) else {}
-    if not state:
+    if not frag.owner.store.has_state(frag.master):
         raise KeyError(f"optimizer state {key!r} does not exist yet: the optimizer creates it at its first step")
+    state = frag.owner.store.state(frag.master)  # in memory or read from a swap file
     if key not in state:
         raise KeyError(f"optimizer state {key!r} does not exist for this parameter (keys: {sorted(state)})")
     value: torch.Tensor = state[key]

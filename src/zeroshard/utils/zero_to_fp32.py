@@ -28,12 +28,12 @@ import torch
 
 from zeroshard.checkpoint.atomic import new_nonce
 from zeroshard.checkpoint.consolidate import (
-    _names,
-    _open,
     _plan,
     _spec,
+    export_names,
     get_fp32_state_dict_from_zero_checkpoint,
     load_state_dict_from_zero_checkpoint,
+    open_checkpoint,
     parse_size,
 )
 from zeroshard.checkpoint.safetensors_io import TensorSpec, write_safetensors
@@ -74,9 +74,9 @@ def convert_zero_checkpoint_to_state_dict(checkpoint_dir: str | Path, output_dir
     limit = None if max_shard_size is None else parse_size(max_shard_size)
     out = Path(output_dir)
     weights = "model.safetensors" if safe_serialization else "pytorch_model.bin"
-    with _open(checkpoint_dir, tag) as src:
+    with open_checkpoint(checkpoint_dir, tag) as src:
         skip = set(src.frozen) if exclude_frozen_parameters else set()
-        specs = [_spec(src, n, dtype) for n in _names(src) if n not in skip]
+        specs = [_spec(src, n, dtype) for n in export_names(src) if n not in skip]
         shards = _plan(specs, limit)
         stem, ext = weights.rsplit(".", 1)
         files = [out / (weights if len(shards) == 1 else f"{stem}-{i + 1:05d}-of-{len(shards):05d}.{ext}")
