@@ -64,12 +64,15 @@ def train_reference(model: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: floa
 
 
 def reference_by_micro_batch(loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor], steps: int,
-                             ga: int, global_batch: int, world: int, lr: float, clip: float) -> dict[str, torch.Tensor]:
+                             ga: int, global_batch: int, world: int, lr: float, clip: float,
+                             model_fn: Callable[[], nn.Module] | None = None,
+                             data: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Plain PyTorch for a loop that computes each micro-batch's loss its own way (``loss(model, x, y)``):
-    AdamW over :func:`make_model` ``(0)``, each rank's micro-batch of :func:`make_data` in turn, the loss
-    averaged over the window and the ranks as the engine does, global-norm clipping."""
-    model = make_model(0)
-    x, y = make_data(steps, global_batch)
+    AdamW over ``model_fn()`` (:func:`make_model` ``(0)`` by default), each rank's micro-batch of
+    ``data`` (:func:`make_data` ``(steps, global_batch)`` by default) in turn, the loss averaged over the
+    window and the ranks as the engine does, global-norm clipping."""
+    model = model_fn() if model_fn is not None else make_model(0)
+    x, y = data if data is not None else make_data(steps, global_batch)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     micro_bs = global_batch // (ga * world)
     for step in range(steps):

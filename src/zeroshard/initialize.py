@@ -27,6 +27,7 @@ from zeroshard.config.no_effect import warn_no_effect
 from zeroshard.device import default_device
 from zeroshard.engine import ZeroEngine
 from zeroshard.errors import ConfigError, NotYetSupportedError, ZeroshardError
+from zeroshard.model_checks import check_model
 from zeroshard.monitor.logs import install_default_handler
 from zeroshard.offload import OffloadPolicy
 from zeroshard.optim import build_optimizer, build_scheduler
@@ -104,6 +105,8 @@ def initialize(
     group = None  # the default (world) group: the one the user created, or ours
     cfg = load_config(config, world_size=C.world_size(group), auto_values=auto_values)
     refuse_shape_dependent(optimizer)  # before anything is moved or partitioned
+    check_model(model, cfg.zero_stage, C.world_size(group), sixteen_bit=cfg.compute_dtype != torch.float32,
+                warn=C.rank(group) == 0)
     logger.info("zeroshard: initialize: ZeRO stage %d on %d ranks", cfg.zero_stage, C.world_size(group))
     _check_same_config(cfg, group)
     _configure_activation_checkpointing(cfg)  # the activation_checkpointing block, unless configure() was called

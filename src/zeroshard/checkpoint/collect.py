@@ -78,13 +78,15 @@ class FrozenParam(StoredParam):
 
 
 def _global_shape(p: torch.nn.Parameter, numel: int) -> tuple[int, ...]:
-    if p.numel() == numel:
-        return tuple(p.shape)
-    unit = getattr(p, UNIT_ATTR, None)  # stage 3 keeps shapes on the parameter's unit
+    # Stage 3 keeps shapes on the parameter's unit, asked first: a released parameter's placeholder
+    # has as many elements (none) as a full one of shape (11, 0), but not its shape.
+    unit = getattr(p, UNIT_ATTR, None)
     if unit is not None:
         for q, shape in zip(unit.params, unit.shapes):
             if q is p:
                 return tuple(shape)
+    if p.numel() == numel:
+        return tuple(p.shape)
     raise CheckpointError(f"cannot tell the full shape of a partitioned parameter ({numel} elements)")
 
 

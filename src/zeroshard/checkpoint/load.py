@@ -105,8 +105,11 @@ def _load_optimizer(src: CheckpointSource, engine: Any, trained: list[collect.Tr
     # written through the store afterwards, one parameter at a time (to its swap file with NVMe
     # offload), so the whole state is never held twice.
     scalars: dict[int, dict[str, Any]] = {}
+    # A parameter with no elements has no piece in any file, so no saved state: it starts afresh,
+    # which changes no value (Adam's step count scales nothing there).
+    stored = {name: sp for name, sp in src.params.items() if sp.numel}
     for tp in trained:
-        sp = src.params.get(tp.name)
+        sp = stored.get(tp.name)
         if sp is not None:
             st = {key: src.read_scalar(key, tp.name) for key, kind in sp.state.items() if kind != collect.SHARDED}
             if sp.state:
@@ -118,7 +121,7 @@ def _load_optimizer(src: CheckpointSource, engine: Any, trained: list[collect.Tr
         groups.append({**g, **{k: v for k, v in saved.items() if k not in collect.IMPLEMENTATION_KEYS}})
     _restore(src, "the optimizer state", lambda: store.load_states(scalars, groups))
     for tp in trained:
-        sp = src.params.get(tp.name)
+        sp = stored.get(tp.name)
         for key, kind in (sp.state.items() if sp is not None else ()):
             if kind == collect.SHARDED:
                 store.write_state(tp.master, key, src.read(key, tp.name, tp.lo, tp.hi))

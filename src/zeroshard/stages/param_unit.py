@@ -259,22 +259,23 @@ class ParamUnit:
             storage.resize_(numel * self.dtype.itemsize)
         return self._landing
 
-    def _new_full_tensors(self, padded: int = 0) -> list[torch.Tensor]:
+    def _new_full_tensors(self, padded: int | None = None) -> list[torch.Tensor]:
         """Full tensors for the unit's parameters; with ``padded``, views of one flat tensor of that
-        many elements (a direct unit's all-gather output, kept in :attr:`_landing`)."""
+        many elements (a direct unit's all-gather output, kept in :attr:`_landing`; none for a
+        parameter with no elements, whose landing is still that empty tensor)."""
         numels = [shape.numel() for shape in self.shapes]
-        total = max(sum(numels), padded)
+        total = max(sum(numels), padded or 0)
         nbytes = total * self.dtype.itemsize
         if host_memory.mappable(self.device, nbytes):
             self._full_map = host_memory.MappedBuffer(nbytes)
             flat = self._full_map.tensor(self.dtype)
-        elif padded:
+        elif padded is not None:
             self._full_map = None
             flat = torch.empty(total, dtype=self.dtype, device=self.device)
         else:
             self._full_map = None
             return [torch.empty(shape, dtype=self.dtype, device=self.device) for shape in self.shapes]
-        if padded:
+        if padded is not None:
             self._landing = flat[:padded]
         return [t.view(shape) for t, shape in zip(flat[: sum(numels)].split(numels), self.shapes)]
 
