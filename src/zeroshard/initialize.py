@@ -36,6 +36,7 @@ from zeroshard.optim.shape_dependent import refuse_shape_dependent
 from zeroshard.partition import full_numel
 from zeroshard.precision import PrecisionPolicy, make_loss_scaler
 from zeroshard.stages import Stage3Optimizer, StageSpec, ZeroOptimizer
+from zeroshard.stages.units import apply_leaf_module_config
 from zeroshard.zero.init import materialize_init_params
 
 logger = logging.getLogger("zeroshard")
@@ -127,6 +128,7 @@ def initialize(
     param_groups = _param_groups(model, optimizer, model_parameters,
                                  need_trained=optimizer is not None or cfg.optimizer is not None)
     if cfg.zero_stage == 3:
+        apply_leaf_module_config(model, cfg.zero_optimization.leaf_module)
         # ZeRO-3 partitions the parameters it trains and the frozen ones (requires_grad=False);
         # one outside the optimizer that requires gradients stays whole (it warns with the size).
         trained = {id(p) for g in param_groups for p in g["params"]}

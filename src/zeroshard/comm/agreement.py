@@ -110,9 +110,18 @@ def check(values: list[int], group: dist.ProcessGroup | None, where: str,
         "passes per optimizer step (a data loader with more batches on some ranks causes this)"
         + (", and under ZeRO-3 the same modules in the same order (their parameters are gathered with "
            "collectives: an evaluation or generate() on some ranks only causes this too; run it on every rank). "
-           + UNUSED_OUTPUT_HINT if sequence is not None else ".")
+           + LEAF_HINT + " " + UNUSED_OUTPUT_HINT if sequence is not None else ".")
     )
 
+
+#: modules that run where the data sends them: a mixture-of-experts block looping over the experts its
+#: router picked runs different experts on different ranks
+LEAF_HINT = (
+    "Submodules chosen by the data (a mixture-of-experts block that runs only the experts its router "
+    "picked) differ between ranks: mark the block a leaf, gathered whole on every rank, with "
+    "`zeroshard.utils.set_z3_leaf_modules(model, [BlockClass])` before initialize or the config's "
+    "`zero_optimization.leaf_module` (`{\"classes\": [\"BlockClass\"]}`)."
+)
 
 #: the backward half of "the same modules on every rank", which scripts break without a branch in forward
 UNUSED_OUTPUT_HINT = (
@@ -184,5 +193,5 @@ class GatherGuard:
             f"ranks disagree on the next ZeRO-3 all-gather:\n{_mismatch(rows, None, self.unit_names)}\n"
             "Under ZeRO-3 every rank must run the same modules in the same order in each forward and backward "
             "(their parameters are gathered with collectives): a branch taken on some ranks only, or an extra "
-            "forward on one rank, cannot be exchanged. " + UNUSED_OUTPUT_HINT
+            "forward on one rank, cannot be exchanged. " + LEAF_HINT + " " + UNUSED_OUTPUT_HINT
         )

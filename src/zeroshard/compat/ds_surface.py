@@ -72,6 +72,8 @@ MODULES: dict[str, Entry] = {
         {"logger", "log_dist", "is_initialized", "set_z3_leaf_modules", "safe_get_full_fp32_param",
          "safe_get_full_grad", "safe_set_full_fp32_param", "safe_get_full_optimizer_state"})),
     "deepspeed.utils.timer": Entry(forward=("zeroshard.monitor.ds_timers",)),
+    "deepspeed.utils.z3_leaf_module": Entry(names={n: f"zeroshard.stages.units:{n}" for n in (
+        "set_z3_leaf_modules", "unset_z3_leaf_modules", "z3_leaf_module", "get_z3_leaf_modules")}),
     "deepspeed.utils.zero_to_fp32": Entry(forward=("zeroshard.utils.zero_to_fp32",)),
     "deepspeed.utils.zero_to_torch": Entry(forward=("zeroshard.utils.zero_to_torch",)),
     "deepspeed.utils.module_utils": Entry(names=_misc("recursive_getattr", "recursive_setattr")),

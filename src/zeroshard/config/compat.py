@@ -129,7 +129,6 @@ DEEPSPEED_ONLY: dict[str, Any] = {
     _Z + "log_trace_cache_warnings": False,
     _Z + "enable_sanity_checks": False,
     _Z + "save_muon_momentum_buffer_in_memory": False,
-    _Z + "leaf_module": DISABLED,
     _Z + "stage3_module_granularity_threshold": 0,
     _Z + "stage3_use_all_reduce_for_fetch_params": False,
     _Z + "stage3_allgather_sequential": False,

@@ -15,7 +15,7 @@ from pydantic import Field, model_validator
 
 from zeroshard.config.fields import ConfigModel, Float, Int
 
-__all__ = ["OffloadDevice", "OffloadOptimizerConfig", "OffloadParamConfig", "ZeroConfig"]
+__all__ = ["LeafModuleConfig", "OffloadDevice", "OffloadOptimizerConfig", "OffloadParamConfig", "ZeroConfig"]
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 
@@ -62,6 +62,33 @@ class OffloadParamConfig(ConfigModel):
 
     max_in_cpu: Int = Field(default=1_000_000_000, ge=0)
     """Number of parameter elements kept in CPU memory when offloading to NVMe."""
+
+
+class LeafModuleConfig(ConfigModel):
+    """ZeRO-3 leaf modules, gathered whole with their subtree (``zeroshard.utils.set_z3_leaf_modules``).
+
+    A single string is read as a list of one, as DeepSpeed does."""
+
+    classes: list[str] = Field(default_factory=lambda: [
+        "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+        "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+        "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+    ])
+    """Class names, plain or qualified (DeepSpeed 0.19's default: Hugging Face's MoE sparse blocks)."""
+
+    names: list[str] = Field(default_factory=list)
+    """Module names as ``model.named_modules()`` gives them."""
+
+    name_suffixes: list[str] = Field(default_factory=list)
+    """Ends of module names (``"mlp.experts"``)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_string_is_a_list(cls, values: object) -> object:
+        if isinstance(values, dict):
+            return {k: [v] if k in ("classes", "names", "name_suffixes") and isinstance(v, str) else v
+                    for k, v in values.items()}
+        return values
 
 
 class ZeroConfig(ConfigModel):
@@ -122,6 +149,9 @@ class ZeroConfig(ConfigModel):
 
     elastic_checkpoint: bool = False
     """Legacy elastic checkpointing of stage 1/2 optimizer state."""
+
+    leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
+    """Stage 3: modules gathered whole with their subtree (mixture-of-experts blocks)."""
 
     ignore_unused_parameters: bool = True
     """Tolerate parameters that receive no gradient in a step instead of raising an error."""

@@ -2,10 +2,11 @@
 
 ``logger`` and ``log_dist`` (:mod:`.logging`), the ``safe_get_full_*``/``safe_set_*``/``safe_get_local_*``
 accessors of sharded parameters, gradients and optimizer states (:mod:`.tensor_fragment`),
-``set_z3_leaf_modules`` and ``RepeatingLoader``.
+``set_z3_leaf_modules`` (with ``unset_z3_leaf_modules``, ``z3_leaf_module``, ``get_z3_leaf_modules``) and
+``RepeatingLoader``.
 """
 
-from zeroshard.stages.units import set_z3_leaf_modules
+from zeroshard.stages.units import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
 from zeroshard.utils.logging import log_dist, logger
 from zeroshard.utils.repeating_loader import RepeatingLoader
 from zeroshard.utils.tensor_fragment import (
@@ -25,6 +26,7 @@ from zeroshard.utils.tensor_fragment import (
 
 __all__ = [
     "RepeatingLoader",
+    "get_z3_leaf_modules",
     "log_dist",
     "logger",
     "safe_get_full_fp32_param",
@@ -40,4 +42,6 @@ __all__ = [
     "safe_set_local_grad",
     "safe_set_local_optimizer_state",
     "set_z3_leaf_modules",
+    "unset_z3_leaf_modules",
+    "z3_leaf_module",
 ]
