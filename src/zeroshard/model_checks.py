@@ -63,4 +63,3 @@ def _max_norm_effect(stage: int, sixteen_bit: bool) -> str:
         return (f"at ZeRO-{stage} each rank keeps that of the rows in its own shard only, from its own "
                 "micro-batch, so the weight differs from single-process training")
     return "each rank renormalises the rows its own micro-batch reads, so the ranks' weights drift apart (as under DDP)"
-
