@@ -109,7 +109,9 @@ def check(values: list[int], group: dist.ProcessGroup | None, where: str,
         f"ranks disagree at {where}:\n{text}\nEvery rank must run the same number of forward and backward "
         "passes per optimizer step (a data loader with more batches on some ranks causes this)"
         + (", and under ZeRO-3 the same modules in the same order (their parameters are gathered with "
-           "collectives: an evaluation or generate() on some ranks only causes this too; run it on every rank). "
+           "collectives: an evaluation or generate() on some ranks only causes this too; run it on every rank, "
+           "and pass generate(..., synced_gpus=True) so that ranks whose generation ended keep stepping with "
+           "the others). "
            + LEAF_HINT + " " + UNUSED_OUTPUT_HINT if sequence is not None else ".")
     )
 

@@ -294,7 +294,7 @@ class TrainingAPI:
         """ZeRO-3: release every gathered, non-persistent unit (other stages: nothing to release)."""
         coordinator = getattr(self.optimizer, "coordinator", None)
         if coordinator is not None:
-            coordinator.end_of_pass()
+            coordinator.end_of_pass(keep_frozen=False)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

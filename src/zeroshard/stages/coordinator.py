@@ -135,6 +135,11 @@ class ParamCoordinator:
         self._in_backward = False
         self.peak_gathered_numel = 0
         self._handles: list[Any] = []
+        #: an engine that never trains (no optimizer: a reference or reward model) ends the pass of
+        #: each outermost forward without gradients, releasing every unit that is not persistent, as
+        #: DeepSpeed does: under the live budget, which holds gathered units from pass to pass, its
+        #: model stayed whole on every rank from its first forward on
+        self.release_after_forward = False
         # CPU: every TRIM_BYTES of units released in backward, return what malloc holds free (the
         # activations and autograd's buffers freed meanwhile) before the gradient shard and the
         # master rows fault in pages of their own; ZEROSHARD_MALLOC_TRIM=0 turns it off (see host_memory).
@@ -156,18 +161,27 @@ class ParamCoordinator:
                                                 every_step=mode == "all")
             for u in units:
                 u.verify = self._verify
+        self.module = module
+        self._watched: list[Any] = []
+        self.install_hooks()
+
+    def install_hooks(self) -> None:
+        """Attach to the module (at construction; again after :meth:`remove_hooks`, which TRL's
+        generation recipe calls with every parameter gathered)."""
+        if self._handles:
+            return
         # Every module, not only those with parameters: :attr:`calls` must know the innermost module
         # call in progress when a forward reads another module's parameter. Before the model's own
         # pre-hooks (prepend), which may read its parameters (``weight_norm`` computes the weight
         # from two of them in one); always_call: a forward that raises must not leave its call behind.
-        for m in unit_modules(module):
+        for m in unit_modules(self.module):
             self._handles.append(m.register_forward_pre_hook(_eager(self._pre_forward), prepend=True))
             self._handles.append(m.register_forward_hook(_eager(self._post_forward), always_call=True))
         for m in self.module_units:
             self._handles.append(m.register_state_dict_pre_hook(self._pre_state_dict))
             # torch tags the hook object itself, which a bound method does not allow.
             self._handles.append(m.register_state_dict_post_hook(functools.partial(self._post_state_dict)))
-        self._watched = param_reads.watch(module.modules(), self, set(by_param))
+        self._watched = param_reads.watch(self.module.modules(), self, {p for u in self.units for p in u.params})
 
     # -- state dicts: full tensors, one module's units at a time --------------------------------
     @contextmanager
@@ -248,11 +262,14 @@ class ParamCoordinator:
 
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         units = self.calls.pop() if self.calls else []
-        if not units:
-            return output
-        self._drop_pins(units)
-        self._evict()
+        if units:
+            self._drop_pins(units)
+            self._evict()
         if not torch.is_grad_enabled():
+            if self.release_after_forward and not self.calls:
+                self.end_of_pass(keep_frozen=False)  # no backward comes to end this pass
+            return output
+        if not units:
             return output
         flat, spec = pytree.tree_flatten(output)
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -460,14 +477,14 @@ class ParamCoordinator:
         if u not in self._held_for_graph:
             self.release(u)
 
-    def end_of_pass(self) -> None:
-        """After backward: release everything not persistent, except frozen units the live budget
-        holds (their values never change: gathered again each step, they cost only time, 0.7 s
-        against 0.45 s per step of a LoRA fine-tune here, at the same peak); adopt the recorded
-        order as the trace."""
+    def end_of_pass(self, keep_frozen: bool = True) -> None:
+        """After backward: release everything not persistent, except with ``keep_frozen`` the
+        frozen units the live budget holds (their values never change: gathered again each step,
+        they cost only time, 0.7 s against 0.45 s per step of a LoRA fine-tune here, at the same
+        peak); adopt the recorded order as the trace."""
         self._held_for_graph.clear()
         keep: set[ParamUnit] = set()
-        room = self.max_live_numel
+        room = self.max_live_numel if keep_frozen else 0
         for u in reversed(self.live):  # the most recently used first
             if u.frozen and u.state is UnitState.GATHERED and u.numel <= room:
                 keep.add(u)

@@ -37,6 +37,7 @@ from zeroshard import host_memory
 from zeroshard.offload import OffloadPolicy
 from zeroshard.offload.param_store import make_param_shard
 from zeroshard.offload.policy import Residency
+from zeroshard.optim.no_optimizer import NoOptimizer
 from zeroshard.partition import (
     UNIT_ATTR,
     Bucket,
@@ -50,8 +51,10 @@ from zeroshard.stages.frozen import FrozenShard, frozen_to_partition
 from zeroshard.stages.grad_sync import MicroStepReduceScatterSync
 from zeroshard.stages.lent_rows import RowLender
 from zeroshard.stages.param_unit import ParamUnit
+from zeroshard.stages.parameter_offload import ParameterOffload
 from zeroshard.stages.units import unit_groups
 from zeroshard.stages.zero_optimizer import StageSpec, ZeroOptimizer, in_memory_bytes
+from zeroshard.zero.external import add_external_parameters_accessor
 
 logger = logging.getLogger("zeroshard")
 
@@ -127,6 +130,9 @@ class Stage3Optimizer(ZeroOptimizer):
         self.coordinator = ParamCoordinator(module, self.units + frozen_units, spec.max_live_parameters,
                                             spec.prefetch_bucket_size)
         self.coordinator.gather_persistent()
+        #: DeepSpeed's name for the owner of the module hooks (TRL removes and re-adds them)
+        self.parameter_offload = ParameterOffload(self.coordinator, module)
+        add_external_parameters_accessor(module)
         self._unit_of = {p: u for u in self.units for p in u.params}
         _warn_frozen_whole(module, set(self._unit_of) | set(self.frozen.ranges if self.frozen else ()), self.rank)
         self._grads_missing: dict[ParamUnit, int] = {}
@@ -227,6 +233,12 @@ class Stage3Optimizer(ZeroOptimizer):
             out["frozen_parameter_shard"] = in_memory_bytes(self.frozen.bytes_held())
         out["gathered_peak"] = self.coordinator.peak_gathered_numel * self.policy.param_dtype.itemsize
         return out
+
+    def bind(self, make_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer]) -> None:
+        """Also, without an optimizer (an engine for evaluation and inference, a reference model),
+        end each forward without gradients by releasing its units (see the coordinator)."""
+        super().bind(make_optimizer)
+        self.coordinator.release_after_forward = isinstance(self.optimizer, NoOptimizer)
 
     def detach(self) -> None:
         """Also remove the coordinator's module hooks."""

@@ -13,13 +13,14 @@ module's forward. Before ``initialize`` and at stages 0-2 the hooks do nothing.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
 from zeroshard.partition import UNIT_ATTR
 
-__all__ = ["register_external_parameter", "unregister_external_parameter"]
+__all__ = ["add_external_parameters_accessor", "register_external_parameter", "unregister_external_parameter"]
 
 _ATTR = "_zeroshard_external_params"
 
@@ -79,3 +80,15 @@ def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.P
             del registered[i]
             return
     raise ValueError("unregister_external_parameter: the parameter is not registered with this module")
+
+
+def _external_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(str(i), p) for i, p in enumerate(module.__dict__.get(_ATTR, []))]
+
+
+def add_external_parameters_accessor(model: torch.nn.Module) -> None:
+    """Give every module DeepSpeed's ``ds_external_parameters()``: ``(name, parameter)`` pairs of the
+    parameters registered on it (TRL lists a ZeRO-3 model's parameters with it)."""
+    for m in model.modules():
+        # a partial of a module-level function, not a lambda: the module still pickles
+        m.ds_external_parameters = functools.partial(_external_parameters, m)  # type: ignore[assignment]

@@ -119,7 +119,7 @@ class Init:
 
 #: DeepSpeed's attributes of a partitioned parameter, which Hugging Face code reads (``ds_numel`` in the
 #: Trainer's parameter count, ``hasattr(p, "ds_id")`` as a ZeRO-3 test).
-_DS_ATTRS = ("ds_id", "ds_numel", "ds_shape", "ds_status", "partition_numel")
+_DS_ATTRS = ("ds_id", "ds_numel", "ds_shape", "ds_status", "partition_numel", "ds_active_sub_modules")
 #: ``ds_id`` is unique over the process, as DeepSpeed's (code keys tied weights by it): one counter for all blocks.
 _ds_ids = itertools.count()
 
@@ -130,6 +130,8 @@ def tag_deepspeed(p: torch.nn.Parameter, shape: torch.Size, world: int) -> None:
     holds, as DeepSpeed's; Lightning's model summary at ZeRO-3 counts parameters per device with it)."""
     if not hasattr(p, "ds_id"):
         p.ds_id = next(_ds_ids)  # type: ignore[attr-defined]
+    if not hasattr(p, "ds_active_sub_modules"):  # DeepSpeed's; TRL clears it before generating
+        p.ds_active_sub_modules = set()  # type: ignore[attr-defined]
     p.ds_shape = torch.Size(shape)  # type: ignore[attr-defined]
     p.ds_numel = int(torch.Size(shape).numel())  # type: ignore[attr-defined]
     # a partial of int, not a lambda: it is called like DeepSpeed's method and still pickles with the parameter
