@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Installs zeroshard and what it needs on a fresh machine (CPU build of torch first: a bare
-# `torch` requirement would pull a multi-GB CUDA build). Extras: pass e.g. "test,deepspeed".
+# Installs zeroshard and what it needs on a fresh machine: torch==2.13.0 first, from pip's configured
+# index (a bare `torch` requirement would pull the newest multi-GB CUDA build; for the CPU build where
+# the index is PyPI alone, set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu).
+# Extras: pass e.g. "test,deepspeed".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"

@@ -64,11 +64,18 @@ def worker(rank: int, world: int, stage: int, dtype: str, tmp: str) -> dict[str,
             out["after_step"] = model.embed.weight.detach().float().clone()
     out["weights"] = gathered_weights(engine)
     if stage < 3:
+        weight = model.out.weight.data
         model.out.weight.data = torch.zeros(3, 3)
         try:
             engine.save_checkpoint(tmp)
         except ZeroshardError as e:
             out["error"] = str(e)
+        model.out.weight.data = weight
+        model.out.bias.data = model.out.bias.data.new_zeros(1)  # another shape the forward still takes
+        try:
+            engine.backward(engine(*(micro_batch(t, 0, 0, rank, world, MB) for t in (x, y))))
+        except ZeroshardError as e:
+            out["shape_error"] = str(e)
     return out
 
 
@@ -96,6 +103,8 @@ def test_replaced_data_trains_as_plain_pytorch(stage: int, tmp_path: Path) -> No
         assert dist <= 1e-5, f"stage {stage}, rank {rank}: ‖w − w_ref‖/‖w_ref‖ = {dist:.2e}"
         if stage < 3:
             assert "shape (3, 3)" in r["error"] and "shape (5, 29)" in r["error"], r["error"]
+            # before: torch's "output with shape [5] doesn't match the broadcast shape" from a gradient hook
+            assert "5 elements" in r.get("shape_error", "") and "shape (1,)" in r["shape_error"], r.get("shape_error")
 
 
 def test_replaced_data_in_bf16_steps_from_the_new_values(tmp_path: Path) -> None:

@@ -100,6 +100,7 @@ def test_shadow_resolves_to_zeroshard_and_disable_restores() -> None:
         assert deepspeed.zero.Init is zeroshard.zero.Init
         assert deepspeed.zero.GatheredParameters is zeroshard.zero.GatheredParameters
         assert deepspeed.__version__ == layer.DISTRIBUTION_VERSION
+        assert deepspeed.__file__ == layer.__file__ and deepspeed.comm.__file__ == layer.__file__  # was AttributeError
         spec = importlib.util.find_spec("deepspeed")
         assert spec is not None and spec.loader is layer._DeepSpeedFinder.loader
         assert importlib.metadata.version("deepspeed") == layer.DISTRIBUTION_VERSION

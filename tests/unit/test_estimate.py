@@ -799,3 +799,20 @@ def test_nvme_memory_placement_counts_swap_buffers(tmp_path: Path) -> None:
             want.kinds["optimizer_states"]["host"] + steps
     finally:
         engine.destroy()
+
+
+def test_estimate_keeps_a_different_config_already_at_the_output_path(tmp_path: Path) -> None:
+    """The default -o is ds_config.json, the name of the user's own config: a different file there
+    is kept (exit 2 naming it) unless --force; the same config again is fine."""
+    out = tmp_path / "ds_config.json"
+    mine = '{"train_batch_size": 32, "zero_optimization": {"stage": 3}}\n'
+    out.write_text(mine)
+    args = ["--params", "1e9", "--gpus", "8", "--gpu-memory", "80GB", "-o", str(out)]
+    code, text, err = _estimate_cli(*args)
+    assert code == 2 and str(out) in err and "--force" in err and "chosen: ZeRO stage" in text
+    assert out.read_text() == mine
+    code, text, err = _estimate_cli(*args, "--force")
+    assert code == 0 and f"wrote {out}" in text and out.read_text() != mine
+    written = out.read_text()
+    code, _, err = _estimate_cli(*args)  # what it would write anyway
+    assert code == 0 and out.read_text() == written, err

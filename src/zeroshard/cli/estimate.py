@@ -42,7 +42,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                "  zeroshard estimate --params 7e9 --gpus 8\n"
                "  zeroshard estimate path/to/config.json --micro-batch 4 --seq-len 2048 --gpus 8\n"
                "  zeroshard estimate mypkg.models:build --gpus 8 --gpu-memory 80GB --cpu-memory 512GB\n"
-               "  zeroshard estimate --params 70e9 --gpus 8 --gpu-memory 24GB --cpu-memory 256GB \\\n"
+               "  zeroshard estimate --params 70e9 --gpus 8 --gpu-memory 24GB --cpu-memory 512GB \\\n"
                "      --nvme-gb 2000 --nvme-path /local_nvme\n"
                "sizes: 80GB = 80e9 bytes, 80GiB = 80*2^30 bytes; counts: 7e9, 7B, 125M.")
     p.add_argument("model", metavar="MODEL", nargs="?",
@@ -73,7 +73,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--headroom", type=float, default=0.1, metavar="F",
                    help="fraction of GPU memory kept free for the CUDA context and fragmentation (default 0.1)")
     p.add_argument("-o", "--output", default="ds_config.json", metavar="PATH",
-                   help="where the chosen config goes (default ds_config.json)")
+                   help="where the chosen config goes (default ds_config.json; a different file already there "
+                        "is kept unless --force)")
+    p.add_argument("--force", action="store_true", help="replace an existing --output file")
     p.add_argument("--deepspeed", action="store_true",
                    help="also print DeepSpeed's own estimator tables (estimate_zero2/3_..._all_cold)")
     return p
@@ -193,8 +195,15 @@ def main(argv: Sequence[str], prog: str = "zeroshard estimate") -> int:
         print(f"{prog}: {e}", file=sys.stderr)
         return 1
     out = Path(args.output)
+    text = json.dumps(chosen.config, indent=2) + "\n"
+    if out.is_file() and not args.force and out.read_text(errors="replace") != text:
+        # A user's own ds_config.json is what the default name most often points at.
+        print(render_plan(chosen, None))
+        print(f"{prog}: error: {out} exists and holds another config: kept. Pass -o PATH to write the chosen "
+              "config elsewhere, or --force to replace it", file=sys.stderr)
+        return 2
     try:
-        out.write_text(json.dumps(chosen.config, indent=2) + "\n")
+        out.write_text(text)
     except OSError as e:
         print(f"{prog}: error: cannot write {out}: {e}", file=sys.stderr)
         return 2

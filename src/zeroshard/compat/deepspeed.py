@@ -141,7 +141,8 @@ def enable(shadow: bool = False) -> None:
         raise DeepSpeedShadowError(
             f"the real DeepSpeed is installed ({real.origin}) and zeroshard.compat.deepspeed would hide it: "
             "call zeroshard.compat.deepspeed.enable(shadow=True) (or run with "
-            "`python -m zeroshard.compat.deepspeed --shadow`, or `zeroshard launch --shadow-deepspeed`) to use "
+            "`python -m zeroshard.compat.deepspeed --shadow`, `zeroshard launch --shadow-deepspeed`, or "
+            "`python -m zeroshard.compat.accelerate_launch --shadow`) to use "
             "zeroshard in its place, or uninstall "
             "deepspeed", key="deepspeed")
     early = [name for name in _GATED_AT_IMPORT if name in sys.modules]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import types
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from zeroshard.errors import NotYetSupportedError
@@ -199,6 +200,9 @@ class DeepSpeedModule(types.ModuleType):
     def __init__(self, name: str, entry: Entry) -> None:
         super().__init__(name, f"zeroshard's stand-in for DeepSpeed's {name} (zeroshard.compat.deepspeed)")
         self._zs_entry = entry
+        # Scripts locate DeepSpeed by it (``os.path.dirname(deepspeed.__file__)`` in version banners
+        # and environment reports): the file of the layer that presents it.
+        self.__file__ = str(Path(__file__).with_name("deepspeed.py"))
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") and name.endswith("__"):

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from zeroshard import host_memory
 from zeroshard.comm import collectives as C
+from zeroshard.errors import ZeroshardError
 from zeroshard.partition import COMM_BUFFERS, Bucket, scatter_into_rows
 from zeroshard.precision import PrecisionPolicy
 from zeroshard.utils.weak_hooks import remove_when_collected, weak_method_hook
@@ -122,6 +123,12 @@ class GradSync:
         if grad is None or not self.active:
             return
         k = self._index[p]  # type: ignore[index]
+        if grad.numel() != bucket.layouts[i].numel:
+            raise ZeroshardError(
+                f"a trained parameter of {bucket.layouts[i].numel} elements got a gradient of shape "
+                f"{tuple(grad.shape)}: its .data was replaced by one of another shape after initialize, which its "
+                "master weights and optimizer state cannot follow. Copy values into it instead (with "
+                "torch.no_grad(): p.copy_(new)), or change the model before initialize")
         self._write(bucket, i, grad.detach().reshape(-1), first_in_window=k not in self._seen)
         p.grad = None
         self._seen.add(k)
