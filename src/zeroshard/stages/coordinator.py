@@ -266,8 +266,10 @@ class ParamCoordinator:
             self._drop_pins(units)
             self._evict()
         if not torch.is_grad_enabled():
-            if self.release_after_forward and not self.calls:
-                self.end_of_pass(keep_frozen=False)  # no backward comes to end this pass
+            # No backward comes to end this pass. Units still pinned now are an enclosing explicit
+            # gather's (GatheredParameters around a generate()): its exit releases them.
+            if self.release_after_forward and not self.calls and not self.pinned:
+                self.end_of_pass(keep_frozen=False)
             return output
         if not units:
             return output
