@@ -15,7 +15,8 @@ from pydantic import Field, model_validator
 
 from zeroshard.config.fields import ConfigModel, Float, Int
 
-__all__ = ["LeafModuleConfig", "OffloadDevice", "OffloadOptimizerConfig", "OffloadParamConfig", "ZeroConfig"]
+__all__ = ["DEFAULT_LEAF_MODULE_CLASSES", "LeafModuleConfig", "OffloadDevice", "OffloadOptimizerConfig",
+           "OffloadParamConfig", "ZeroConfig"]
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 
@@ -64,16 +65,20 @@ class OffloadParamConfig(ConfigModel):
     """Number of parameter elements kept in CPU memory when offloading to NVMe."""
 
 
+#: DeepSpeed 0.19's default ``zero_optimization.leaf_module.classes``: Hugging Face's MoE sparse blocks
+DEFAULT_LEAF_MODULE_CLASSES = (
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+)
+
+
 class LeafModuleConfig(ConfigModel):
     """ZeRO-3 leaf modules, gathered whole with their subtree (``zeroshard.utils.set_z3_leaf_modules``).
 
     A single string is read as a list of one, as DeepSpeed does."""
 
-    classes: list[str] = Field(default_factory=lambda: [
-        "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
-        "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
-        "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
-    ])
+    classes: list[str] = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_CLASSES))
     """Class names, plain or qualified (DeepSpeed 0.19's default: Hugging Face's MoE sparse blocks)."""
 
     names: list[str] = Field(default_factory=list)

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from zeroshard.config.zero import DEFAULT_LEAF_MODULE_CLASSES
+
 logger = logging.getLogger("zeroshard")
 
 #: DeepSpeed's attribute, so a module marked through either library's helpers is a leaf in both
@@ -84,7 +86,7 @@ def apply_leaf_module_config(model: torch.nn.Module, leaf: Any) -> list[torch.nn
                  + [x for x in leaf.name_suffixes if not any(n.endswith(x) for n in named)])
     if unmatched:
         logger.warning("zeroshard: zero_optimization.leaf_module: no module named %s", unmatched)
-    if not marked and leaf.classes != type(leaf)().classes:
+    if not marked and tuple(leaf.classes) != DEFAULT_LEAF_MODULE_CLASSES:
         logger.warning("zeroshard: zero_optimization.leaf_module: no module of the classes %s", leaf.classes)
     return list(marked.values())
 
