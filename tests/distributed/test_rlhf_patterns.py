@@ -12,6 +12,10 @@
   DeepSpeed does.
 - ``empty_partition_cache()`` released the trained units but kept frozen ones (LoRA's base) the
   live budget holds; it releases every unit that is not persistent now, as DeepSpeed's.
+- Generation without ``synced_gpus`` where every parameter is persistent (below
+  ``stage3_param_persistence_threshold``: a small policy or value head): ranks run different numbers
+  of no-grad forwards, which gather nothing, so DeepSpeed trains on; zeroshard counted those units in
+  the window's gather sequence and raised a false disagreement at the next backward.
 """
 
 from __future__ import annotations
@@ -138,3 +142,30 @@ def test_empty_partition_cache_releases_frozen_units_too() -> None:
     for got in run_distributed(lora_worker, WORLD):
         assert got["kept"] > 0, "the frozen embedding was expected to stay gathered between steps"
         assert got["emptied"] == 0, f"{got['emptied']} elements still gathered after empty_partition_cache()"
+
+
+def persistent_worker(rank: int, world: int) -> dict:
+    x, y = make_data(STEPS, GLOBAL_BATCH)
+    micro_bs = GLOBAL_BATCH // (GA * world)
+    cfg = _config()
+    cfg["zero_optimization"] = {"stage": 3}  # the default threshold: every parameter of the toy model is persistent
+    engine, *_ = zeroshard.initialize(model=make_model(0), config=cfg)
+    persistent = all(getattr(p, "ds_persist", False) for p in engine.module.parameters())
+    for step in range(STEPS):
+        with torch.no_grad():
+            for _ in range(1 + 2 * rank):  # unsynced generation: a different number of forwards per rank
+                engine(x[step, :2], y[step, :2])
+        xb, yb = (micro_batch(t, step, 0, rank, world, micro_bs) for t in (x, y))
+        engine.backward(engine(xb, yb))
+        engine.step()
+    out = gathered_weights(engine)
+    engine.destroy()
+    return {"weights": out, "persistent": persistent}
+
+
+def test_unsynced_no_grad_forwards_of_persistent_parameters_train_on() -> None:
+    ref = reference_by_micro_batch(lambda model, x, y: model(x, y), STEPS, GA, GLOBAL_BATCH, WORLD, LR, CLIP)
+    for rank, got in enumerate(run_distributed(persistent_worker, WORLD)):
+        assert got["persistent"], "the test needs every parameter below the persistence threshold"
+        dist = relative_distance(got["weights"], ref)
+        assert dist <= TOL, f"rank {rank}: {dist:.2e} from plain PyTorch"

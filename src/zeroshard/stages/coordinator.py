@@ -310,7 +310,11 @@ class ParamCoordinator:
                 arrive(u.group, what, None if self.step is None else self.step())
         if record:
             self._note_call(units, backward)
-            for u in units:
+            # A persistent unit takes part in collectives only through its gradients: in a pass without
+            # them (generate() without synced_gpus, ranks running different numbers of forwards) it is
+            # not part of what the ranks must agree on.
+            hashed = units if backward or torch.is_grad_enabled() else [u for u in units if not u.persistent]
+            for u in hashed:
                 i = self._unit_index[u]
                 self.window_hash = agreement.extend_hash(self.window_hash, i)
                 if len(self.window_log) < agreement.MAX_LOGGED:

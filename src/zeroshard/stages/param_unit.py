@@ -142,6 +142,7 @@ class ParamUnit:
             setattr(p, UNIT_ATTR, self)
             setattr(p, SHAPE_ATTR, shape)
             tag_deepspeed(p, shape, layout.world)  # ``hasattr(p, "ds_id")``: how scripts tell a ZeRO-3 parameter
+            p.ds_persist = self.persistent  # type: ignore[attr-defined]  # DeepSpeed's: never released
             if hasattr(p, INIT_CHUNK_ATTR):
                 delattr(p, INIT_CHUNK_ATTR)  # a zero.Init chunk, copied into (or adopted as) the shard
         self.state = UnitState.GATHERED
