@@ -73,6 +73,8 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
         self.micro_steps = 0
         self.skipped_steps = 0
         self._forwards = 0  # in this accumulation window (ZeRO-3 only), for the agreement check
+        self._step_calls = 0  # engine.step() calls in this window
+        self._extra_steps_warned = False
         self._backwards = 0
         self._window_loss = torch.zeros((), dtype=torch.float32, device=self.device)
         self._window_count = 0
@@ -206,10 +208,12 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
         # Kept on the device: a .item() here would sync the accelerator every micro-step.
         self._window_loss += loss.detach().float().sum()
         self._window_count += 1
-        gas_scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
-        scaled = gas_scaled
-        if self.scaler.scale != 1.0:
-            scaled = scaled.float() * self.scaler.scale
+        # under the caller's no_grad too: loss.backward() works there in plain PyTorch, as the loss's graph exists
+        with torch.enable_grad():
+            gas_scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
+            scaled = gas_scaled
+            if self.scaler.scale != 1.0:
+                scaled = scaled.float() * self.scaler.scale
         boundary = self.is_gradient_accumulation_boundary() and not self.inside_no_sync_ctxt
         if boundary or self.zero_optimization_stage() >= 2:  # before this backward reduces anything
             self._check_agreement()
@@ -251,6 +255,14 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
             self.optimizer.optimizer.step()
         boundary = self.is_gradient_accumulation_boundary()
         self.tput_timer.stop(global_step=boundary, report_speed=False)
+        self._step_calls += 1
+        if boundary and self._step_calls > self._backwards and not self._extra_steps_warned:
+            self._extra_steps_warned = True  # DeepSpeed is silent: the window ends early, on fewer gradients
+            logger.warning("engine.step() was called %d times for %d engine.backward() calls in this accumulation "
+                           "window of %d micro-steps: each step() call counts one micro-step, so the optimizer "
+                           "steps on fewer micro-batches than gradient_accumulation_steps says. Call "
+                           "engine.step() once after each engine.backward(loss)", self._step_calls,
+                           self._backwards, self.gradient_accumulation_steps())
         if not boundary:
             self.micro_steps += 1
             return
@@ -264,10 +276,13 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
         self._check_unfrozen_parameters()
         self._log_memory("before step")
         with self.timers("step"):
+            self.optimizer.engine_stepping = True
             try:
                 applied = self.optimizer.step()
             except FloatingPointError as e:  # fp16 overflow at the minimum loss scale
                 raise FloatingPointError(f"optimizer step {self.global_steps}: {e}{self._culprit()}") from None
+            finally:
+                self.optimizer.engine_stepping = False
         self._step_applied = bool(applied)
         if applied:
             if self.lr_scheduler is not None:
@@ -283,7 +298,7 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
             self.flops_profiler.step_done(self.global_steps - 1)  # reports the profiled step
 
     def _new_window(self) -> None:
-        self._forwards = self._backwards = 0
+        self._forwards = self._backwards = self._step_calls = 0
         if self._coordinator is not None:
             self._coordinator.new_window()
 

@@ -167,7 +167,11 @@ def load_checkpoint(engine: Any, load_dir: str | Path, tag: str | None = None, l
     started = time.perf_counter()
     path = together(lambda: resolve_checkpoint(load_dir, tag), group, "finding the checkpoint")
     if path is None:
-        logger.warning("no 'latest' file in %s and no tag given: nothing loaded", load_dir)
+        if not Path(load_dir).exists():
+            logger.warning("checkpoint directory %s does not exist: nothing loaded, training starts from "
+                           "scratch (as DeepSpeed does)", load_dir)
+        else:
+            logger.warning("no 'latest' file in %s and no tag given: nothing loaded", load_dir)
         return None, None
     if C.rank(group) == 0:
         logger.info("loading checkpoint %s", path)

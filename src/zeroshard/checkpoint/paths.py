@@ -111,6 +111,9 @@ def resolve_checkpoint(root: str | Path, tag: str | None) -> Path | None:
     if not root.is_dir():
         if tag is None and not root.exists():
             return None  # DeepSpeed: no latest file, nothing to resume
+        if root.exists():
+            raise CheckpointError(f"checkpoint directory {root} is a file: give the directory that "
+                                  "save_checkpoint wrote (holding the 'latest' file and the tag directories)")
         raise CheckpointError(f"checkpoint directory {root} does not exist")
     if tag is None:
         if _looks_like_checkpoint(root):

@@ -105,6 +105,9 @@ def check(values: list[int], group: dist.ProcessGroup | None, where: str,
     same_kind = bool((rows[:, 0] == kind).all())
     if same_kind and sequence is not None and rows[:, 1 + SEQUENCE].unique().numel() > 1:
         text += "\n  " + _first_divergence(sequence, group, C.world_size(group), unit_names or [])
+    if not same_kind and bool((rows[:, 0] == SAVE).any()):
+        text += ("\n  save_checkpoint is collective: call it on every rank, not under `if rank == 0:` "
+                 "(each rank writes its own shard)")
     raise DistributedError(
         f"ranks disagree at {where}:\n{text}\nEvery rank must run the same number of forward and backward "
         "passes per optimizer step (a data loader with more batches on some ranks causes this)"

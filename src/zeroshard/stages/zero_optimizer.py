@@ -295,8 +295,20 @@ class ZeroOptimizer:
         self.sync.finish_backward()
         host_memory.trim(self.device, site="step")
 
+    #: set by ``engine.step()`` while it calls :meth:`step`; a call without it is the script's own
+    engine_stepping = False
+    _direct_step_warned = False
+
     def step(self) -> bool:
         """Unscale, check overflow, clip and step. Returns whether the update was applied."""
+        if not self.engine_stepping and not ZeroOptimizer._direct_step_warned:
+            ZeroOptimizer._direct_step_warned = True
+            # DeepSpeed is silent here too; it trains wrongly with gradient accumulation or a scheduler
+            logger.warning("optimizer.step() was called directly: the engine's step counters, gradient "
+                           "accumulation window and learning-rate scheduler are skipped, so training "
+                           "differs from what the config says. Call engine.step() after each "
+                           "engine.backward(loss) instead (it steps the optimizer at each accumulation "
+                           "boundary)")
         self.rebind_parameters(keep_values=True)  # the forward and backward just ran on the replaced values
         dropped = self.sync.take_exposed()  # stage 0's .grad, as the script left it
         g32 = [g if g.dtype == torch.float32 else g.float() for g in self._grad_views()]
