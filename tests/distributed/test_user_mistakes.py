@@ -8,7 +8,9 @@ scripts, side by side with DeepSpeed 0.19.8, which is silent, hangs or gives tor
 - ``engine.backward(loss)`` inside ``torch.no_grad()`` failed with torch's "does not require grad"
   (plain ``loss.backward()`` works there): it backpropagates now, equal to the call outside;
 - ``save_checkpoint`` under ``if rank == 0:`` is named as such; a file given as the checkpoint
-  directory is called a file (it was "does not exist"); a missing directory says it is missing.
+  directory is called a file (it was "does not exist"); a missing directory says it is missing;
+- ``model.half()`` after initialize at ZeRO-3 is named (torch's "mat1 and mat2 must have the same
+  dtype" before).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from harness import log_lines, run_distributed
 from models import make_data, make_model, micro_batch
 
 import zeroshard
-from zeroshard.errors import CheckpointError, DistributedError
+from zeroshard.errors import CheckpointError, DistributedError, ZeroshardError
 
 GLOBAL_BATCH = 8
 
@@ -129,3 +131,21 @@ def test_checkpoint_directory_that_is_a_file_or_missing_is_named(tmp_path: Path)
     (got,) = run_distributed(load_worker, 1, str(missing))
     assert got["path"] is None and not got["error"]
     assert _warnings(got["lines"], f"checkpoint directory {missing} does not exist"), got["lines"]
+
+
+def half_worker(rank: int, world: int) -> str:
+    engine, *_ = zeroshard.initialize(model=make_model(0), config=_config(ga=1, stage=3))
+    engine.module.half()
+    x, y = make_data(1, GLOBAL_BATCH)
+    try:
+        engine(micro_batch(x, 0, 0, rank, world, 2).half(), micro_batch(y, 0, 0, rank, world, 2))
+    except ZeroshardError as e:
+        return str(e)
+    finally:
+        engine.destroy()
+    return ""
+
+
+def test_stage3_dtype_change_after_initialize_is_named() -> None:
+    for message in run_distributed(half_worker, 2):
+        assert "its dtype was changed after initialize (model.half()" in message, message

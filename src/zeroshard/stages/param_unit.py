@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from zeroshard import host_memory
 from zeroshard.comm import collectives as C
+from zeroshard.errors import ZeroshardError
 from zeroshard.partition import INIT_CHUNK_ATTR, SHAPE_ATTR, UNIT_ATTR, Bucket, full_shape, gather_from_rows
 from zeroshard.stages.lent_rows import RowLender
 from zeroshard.zero.init import tag_deepspeed
@@ -212,6 +213,18 @@ class ParamUnit:
         buffer while the all-gather is in flight (the collective never writes this rank's row)."""
         assert self.in_flight and self._pending is not None
         return self._pending[0].view(self.world, self.bucket.numel)[rank]
+
+    def check_dtype(self) -> None:
+        """Raise when user code converted the unit's parameters (``model.half()``, ``model.to(dtype)``
+        after ``initialize``): the next gather would put them back in the unit's dtype, so the forward
+        would mix dtypes (torch's "mat1 and mat2 must have the same dtype") or train another copy."""
+        for p in self.params:
+            if p.dtype is not self.dtype:
+                raise ZeroshardError(
+                    f"a parameter of ZeRO-3 unit {self.name!r} is {p.dtype} but the unit trains in {self.dtype}: "
+                    "its dtype was changed after initialize (model.half(), model.to(dtype)), which ZeRO-3 does "
+                    "not support. Choose the training dtype with the config's bf16 or fp16 block, or convert "
+                    "the model before initialize")
 
     @_outside_inference_mode
     def wait_gather(self, lend: bool = False) -> None:
