@@ -73,7 +73,6 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
         self.micro_steps = 0
         self.skipped_steps = 0
         self._forwards = 0  # in this accumulation window (ZeRO-3 only), for the agreement check
-        self._step_calls = 0  # engine.step() calls in this window
         self._extra_steps_warned = False
         self._backwards = 0
         self._window_loss = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -255,13 +254,14 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
             self.optimizer.optimizer.step()
         boundary = self.is_gradient_accumulation_boundary()
         self.tput_timer.stop(global_step=boundary, report_speed=False)
-        self._step_calls += 1
-        if boundary and self._step_calls > self._backwards and not self._extra_steps_warned:
+        # this window's step() calls so far, this one included (one when the boundary was set by hand)
+        step_calls = self.micro_steps % self.gradient_accumulation_steps() + 1
+        if boundary and step_calls > self._backwards and not self._extra_steps_warned:
             self._extra_steps_warned = True  # DeepSpeed is silent: the window ends early, on fewer gradients
             logger.warning("engine.step() was called %d times for %d engine.backward() calls in this accumulation "
                            "window of %d micro-steps: each step() call counts one micro-step, so the optimizer "
                            "steps on fewer micro-batches than gradient_accumulation_steps says. Call "
-                           "engine.step() once after each engine.backward(loss)", self._step_calls,
+                           "engine.step() once after each engine.backward(loss)", step_calls,
                            self._backwards, self.gradient_accumulation_steps())
         if not boundary:
             self.micro_steps += 1
@@ -298,7 +298,7 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
             self.flops_profiler.step_done(self.global_steps - 1)  # reports the profiled step
 
     def _new_window(self) -> None:
-        self._forwards = self._backwards = self._step_calls = 0
+        self._forwards = self._backwards = 0
         if self._coordinator is not None:
             self._coordinator.new_window()
 

@@ -309,8 +309,9 @@ class ParamCoordinator:
                         else f"explicit gather of ZeRO-3 unit {u.name!r}, which releases it afterwards,")
                 arrive(u.group, what, None if self.step is None else self.step())
         if record:
-            for u in units:
-                u.check_dtype()
+            if not backward:  # the backward gathers what its forward did, already checked
+                for u in units:
+                    u.check_dtype()
             self._note_call(units, backward)
             # A persistent unit takes part in collectives only through its gradients: in a pass without
             # them (generate() without synced_gpus, ranks running different numbers of forwards) it is
