@@ -35,6 +35,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import sys
 import uuid
 from collections.abc import Sequence
@@ -353,12 +354,37 @@ def _exit_code(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
+def _continue_stopped_workers() -> None:
+    """torchrun ends a failed job by signalling each worker's process group (SIGTERM), then waits
+    30 s before SIGKILL. A stopped worker (SIGSTOP, a debugger, a frozen cgroup) holds the SIGTERM
+    pending until it is continued, so a job with one ended 30 s late. In this launcher process
+    only, send SIGCONT after torchrun's signal, so that a stopped worker acts on it at once; a
+    running one ignores SIGCONT. Left as it is where torch's handler is not the one expected."""
+    from torch.distributed.elastic.multiprocessing import subprocess_handler
+
+    handler = getattr(subprocess_handler, "SubprocessHandler", None)
+    close = getattr(handler, "close", None)
+    if os.name != "posix" or close is None or getattr(close, "continues_stopped", False):
+        return
+
+    def close_and_continue(self: object, death_sig: signal.Signals | None = None) -> None:
+        close(self, death_sig)
+        try:
+            os.killpg(self.proc.pid, signal.SIGCONT)  # type: ignore[attr-defined]
+        except (OSError, AttributeError):  # already gone, or not a group leader
+            pass
+
+    close_and_continue.continues_stopped = True  # type: ignore[attr-defined]
+    handler.close = close_and_continue  # type: ignore[union-attr]
+
+
 def _run_once(torchrun_argv: list[str], prog: str) -> tuple[int, bool]:
     """Run torchrun once: the exit code, and whether this command itself was stopped by a signal."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    _continue_stopped_workers()
     try:
         torchrun.main(torchrun_argv)
     except ChildFailedError as error:
