@@ -1,6 +1,6 @@
 """Ranks that disagree fail with an error naming the ranks and what differs, instead of pairing
-collectives that were never meant to meet (or hanging): a different config, a skipped backward,
-and under ZeRO-3 a different module on one rank (of the same size, so its all-gathers would
+collectives that were never meant to meet (or hanging): a different config or model, a skipped
+backward, and under ZeRO-3 a different module on one rank (of the same size, so its all-gathers would
 silently exchange the wrong parameters)."""
 
 from __future__ import annotations
@@ -163,3 +163,29 @@ def test_an_extra_micro_step_on_one_rank(tmp_path) -> None:
             assert "rank 1: save_checkpoint at micro-step 1 " in message or \
                 "micro-step of the window: rank 0: 1, rank 1: 0" in message, (stage, message)
         assert not (tmp_path / f"s{stage}" / "latest").exists(), stage  # nothing was saved
+
+
+def different_model_worker(rank: int, world: int, stage: int, kind: str) -> str:
+    """Rank 1 builds another model: a layer more at the end, or a layer of another width."""
+    widths = [5, 6, 4] if kind == "shape" and rank == 1 else [5, 7, 4]
+    layers = [nn.Linear(a, b) for a, b in zip(widths, widths[1:])]
+    if kind == "extra" and rank == 1:
+        layers.append(nn.Linear(4, 4))
+    model = nn.Sequential(*layers)
+    try:
+        zeroshard.initialize(model=model, config=config(stage))
+    except DistributedError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ranks_that_build_different_models() -> None:
+    for stage in (0, 3):
+        extra = run_distributed(different_model_worker, 2, stage, "extra")
+        for rank, message in enumerate(extra):
+            assert "module parameters and buffers differ across ranks at entry 4 (ranks [1]" in message, message
+            has = "no entry there: it has 4 in all" if rank == 0 else "'2.weight:(4, 4):torch.float32', 6 entries"
+            assert has in message, (stage, rank, message)
+        for rank, message in enumerate(run_distributed(different_model_worker, 2, stage, "shape")):
+            mine = "0.weight:(7, 5)" if rank == 0 else "0.weight:(6, 5)"
+            assert f"at entry 0 (ranks [1] differ from rank 0; this rank has '{mine}" in message, (stage, message)

@@ -379,8 +379,8 @@ def check_same_across_ranks(items: Sequence[str], group: ProcessGroup | None, wh
     index = first_difference(rows)
     assert index is not None  # the whole lists differ, so some entry does
     bad = [r for r in range(n) if rows[r, index] != rows[0, index]]
-    mine = items[index] if index < len(items) else "<missing>"
+    mine = f"{items[index]!r}, {len(items)} entries in all" if index < len(items) else \
+        f"no entry there: it has {len(items)} in all"
     raise DistributedError(
-        f"{what} differ across ranks at entry {index} (ranks {bad} differ from rank 0; this rank "
-        f"has {mine!r}, {len(items)} entries in all). {hint}"
+        f"{what} differ across ranks at entry {index} (ranks {bad} differ from rank 0; this rank has {mine}). {hint}"
     )
