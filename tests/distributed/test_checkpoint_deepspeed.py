@@ -4,7 +4,8 @@ and resumed by zeroshard engines at other world sizes and stages, optimizer stat
 A session fixture runs real DeepSpeed once (2 ranks, CPU) with its default optimizer (FusedAdam,
 JIT-compiled by DeepSpeed on first use, about a minute on a fresh machine; it stores Adam's
 ``step`` as a Python int) at ZeRO stages 1, 2, 3 in fp32 and stages 2 and 3 in bf16 (whose files
-carry the ``bf16_`` prefix), and with ``torch_adam`` (``step`` as a tensor) at stage 2. Each
+carry the ``bf16_`` prefix), with ``torch_adam`` (``step`` as a tensor) at stage 2, and at stage
+3 with two param groups (decay / no decay) and a ``sub_group_size`` that cuts one into two. Each
 trains ``K`` steps and saves, trains ``J`` more and saves a ``final`` tag; DeepSpeed's own
 ``zero_to_fp32`` consolidates both tags inside that job. Two more runs (stages 2 and 3) save a
 model with BatchNorm buffers, an untrained layer and tied weights, and a last one uses DeepSpeed's
@@ -36,9 +37,18 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
 
 K, J, GLOBAL_BATCH, GA = 3, 2, 24, 2
 DS_RUNS = {"s1_fp32": (1, "fp32"), "s2_fp32": (2, "fp32"), "s3_fp32": (3, "fp32"), "s2_bf16": (2, "bf16"),
-           "s3_bf16": (3, "bf16"), "s2_fp32_torch_adam": (2, "fp32")}
+           "s3_bf16": (3, "bf16"), "s2_fp32_torch_adam": (2, "fp32"), "s3_fp32_subgroups": (3, "fp32")}
 BF16_RUNS = ("s2_bf16", "s3_bf16")
+#: param groups as Hugging Face scripts make them, and a sub_group_size under which ZeRO-3 cuts the
+#: decay group into two flat sub-groups (per-rank chunks 204 + 537, then 73 elements at world 2)
+GROUPED_RUNS = {"s3_fp32_subgroups": 300}
 REL_TOL = 1e-5
+
+
+def grouped(model: torch.nn.Module) -> list[dict]:
+    """Weight decay on the matrices only (biases and the LayerNorm without), as transformers' Trainer."""
+    return [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
 
 
 def ds_config(stage: int, precision: str, torch_adam: bool = False) -> dict:
@@ -93,8 +103,13 @@ def deepspeed_worker(rank: int, world: int, root: str) -> dict:
     out = {}
     for name, (stage, precision) in DS_RUNS.items():
         model = make_model(0)
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                          config=ds_config(stage, precision, torch_adam=name.endswith("torch_adam")))
+        config = ds_config(stage, precision, torch_adam=name.endswith("torch_adam"))
+        if name in GROUPED_RUNS:
+            config["zero_optimization"]["sub_group_size"] = GROUPED_RUNS[name]
+        params = grouped(model) if name in GROUPED_RUNS else model.parameters()
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=config)
+        if name in GROUPED_RUNS:
+            assert len(engine.optimizer.fp32_partitioned_groups_flat) == 3, name  # 2 + 1 sub-groups
         inner = type(engine.optimizer.optimizer).__name__
         assert inner == ("AdamW" if name.endswith("torch_adam") else "FusedAdam"), (name, inner)
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
@@ -187,13 +202,17 @@ def resume_worker(rank: int, world: int, root: str) -> dict:
     cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}
     for stage in RESUME_STAGES[world]:
         engine, *_ = zeroshard.initialize(model=make_model(4), config={**cfg, "zero_optimization": {"stage": stage}})
-        for name in ("s1_fp32", "s2_fp32", "s3_fp32", "s2_fp32_torch_adam"):
-            path, client = engine.load_checkpoint(f"{root}/{name}")
-            assert engine.global_steps == K and client["epoch"] == 7, (engine.global_steps, sorted(client))
-            assert engine.lr_scheduler.state_dict()["last_batch_iteration"] == K - 1
-            assert len(engine.optimizer.state) == len(list(engine.module.parameters()))
-            train(engine, range(K, K + J), rank, world)
-            out[f"{name}->stage{stage}"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        model = make_model(4)
+        grouped_engine, *_ = zeroshard.initialize(model=model, model_parameters=grouped(model),
+                                                  config={**cfg, "zero_optimization": {"stage": stage}})
+        for name in ("s1_fp32", "s2_fp32", "s3_fp32", "s2_fp32_torch_adam", *GROUPED_RUNS):
+            e = grouped_engine if name in GROUPED_RUNS else engine
+            path, client = e.load_checkpoint(f"{root}/{name}")
+            assert e.global_steps == K and client["epoch"] == 7, (e.global_steps, sorted(client))
+            assert e.lr_scheduler.state_dict()["last_batch_iteration"] == K - 1
+            assert len(e.optimizer.state) == len(list(e.module.parameters()))
+            train(e, range(K, K + J), rank, world)
+            out[f"{name}->stage{stage}"] = {n: p.detach().clone() for n, p in e.module.named_parameters()}
     for name in BF16_RUNS:
         engine, *_ = zeroshard.initialize(model=make_model(4), config={**cfg, "bf16": {"enabled": True}})
         engine.load_checkpoint(f"{root}/{name}")

@@ -115,7 +115,8 @@ class DeepSpeedSource(CheckpointSource):
             raise CheckpointError(f"{self._model_file} is not a DeepSpeed ZeRO model-states file")
         self._model = model
         shapes = model["param_shapes"]
-        self.params = {n: SourceParam(n, tuple(int(d) for d in s), g) for g, group in enumerate(shapes)
+        group_of = self._param_group_of_flat(osd, len(shapes))
+        self.params = {n: SourceParam(n, tuple(int(d) for d in s), group_of[g]) for g, group in enumerate(shapes)
                        for n, s in group.items()}
         for p in self.params.values():
             if not all(0 <= d < 2**63 for d in p.shape):
@@ -204,22 +205,36 @@ class DeepSpeedSource(CheckpointSource):
                                   f"{bounds[-1]}")
         return pieces
 
+    def _base_state(self, osd: dict[str, Any]) -> Any:
+        return osd.get("optimizer_state_dict" if self.zero_stage == 3 else "base_optimizer_state")
+
+    def _param_group_of_flat(self, osd: dict[str, Any], flat_count: int) -> list[int]:
+        """The torch param group of each flat group. ZeRO-3 cuts a param group whose per-rank
+        chunks exceed ``sub_group_size`` into sub-groups, each a flat parameter of that group
+        (``param_groups[i]["params"]`` lists them); at stages 1-2 flat group ``g`` is param group ``g``."""
+        base = self._base_state(osd)
+        if not isinstance(base, dict) or not isinstance(base.get("param_groups"), list):
+            return list(range(flat_count))
+        owners = [i for i, group in enumerate(base["param_groups"]) for _ in group.get("params", [])]
+        if len(owners) != flat_count:
+            raise CheckpointError(f"{self.path}: the optimizer's param groups hold {len(owners)} flat parameters, "
+                                  f"the model states list {flat_count} groups of parameter shapes")
+        return owners
+
     def _group_states(self, osd: dict[str, Any]) -> list[dict[str, Any]]:
-        """Per flat group: the torch optimizer state of that group's single flat parameter."""
-        base = osd.get("optimizer_state_dict" if self.zero_stage == 3 else "base_optimizer_state")
+        """Per flat group: the torch optimizer state of its flat parameter, in the order of the
+        param groups' ``params`` (several per param group with ZeRO-3 sub-groups)."""
+        base = self._base_state(osd)
         if isinstance(base, list):  # elastic layout: one lean state dict per group, step kept aside
             step = osd.get("base_optimizer_state_step")
             return [{**st, **({"step": torch.tensor(float(step))} if step is not None else {})} for st in base]
         if not isinstance(base, dict) or "state" not in base:
             return []
-        out = []
-        for group in base.get("param_groups", []):
-            idx = group["params"][0] if group.get("params") else None
-            out.append(dict(base["state"].get(idx, {})))
-        return out
+        return [dict(base["state"].get(idx, {})) for group in base.get("param_groups", [])
+                for idx in group.get("params", [])]
 
     def _param_groups(self, osd: dict[str, Any]) -> list[dict[str, Any]] | None:
-        base = osd.get("optimizer_state_dict" if self.zero_stage == 3 else "base_optimizer_state")
+        base = self._base_state(osd)
         if not isinstance(base, dict):
             return None
         return [{k: materialize(v) for k, v in g.items() if k != "params"} for g in base.get("param_groups", [])]
