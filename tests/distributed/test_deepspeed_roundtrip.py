@@ -5,7 +5,9 @@ One spawned DeepSpeed job (2 ranks, default FusedAdam, i.e. no ``torch_adam``) t
 ``K`` steps and saves, then goes on uninterrupted for ``J + L`` steps, recording its fp32 masters
 after ``K + J`` and ``K + J + L`` steps. zeroshard (3 ranks) resumes each checkpoint, trains ``J``
 steps and saves; the test converts that back to DeepSpeed's layout for 2 ranks; a second DeepSpeed
-job loads it (masters and Adam moments must equal zeroshard's bit for bit) and trains ``L`` steps.
+job loads it (masters and Adam moments must equal zeroshard's bit for bit, and the gradient
+clipping the job's: DeepSpeed's ZeRO-1/2 load adopts the file's ``clip_grad``, which one conversion
+takes from zeroshard's checkpoint, the others from ``--ds-config``) and trains ``L`` steps.
 At each hop the fp32 masters are compared with the uninterrupted run (relative norm of the
 difference): fp32 runs within 1e-5; bf16 runs within ``BF16_TOL`` = 1e-3 because their bf16
 forward and backward see other micro-batches at another world size (4 samples per rank instead of
@@ -42,11 +44,15 @@ DS_WORLD, ZS_WORLD = 2, 3
 RUNS = {"s1_bf16": (1, "bf16", False), "s2_bf16": (2, "bf16", False), "s3_bf16": (3, "bf16", False),
         "s3_fp32": (3, "fp32", False), "s2_offload": (2, "fp32", True)}
 FP32_TOL, BF16_TOL = 1e-5, 1e-3
+#: not DeepSpeed's default: its ZeRO-1/2 load adopts the checkpoint's clip_grad over the job's setting
+CLIP = 0.5
+#: converted without --ds-config: clipping, stage and precision from zeroshard's checkpoint
+NO_CONFIG = "s1_bf16"
 
 
 def ds_config(stage: int, precision: str, offload: bool = False) -> dict:
     zero: dict = {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
-    return {"train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": GA, "gradient_clipping": 1.0,
+    return {"train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": GA, "gradient_clipping": CLIP,
             "bf16": {"enabled": precision == "bf16"}, "zero_optimization": zero,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
             "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2}}}
@@ -123,6 +129,7 @@ def ds_resume(rank: int, world: int, root: str) -> dict:
         assert engine.lr_scheduler.last_batch_iteration == K + J - 1
         # what DeepSpeed holds after loading, through its own save: compared with zeroshard's file
         engine.save_checkpoint(f"{root}/reloaded/{name}", tag="reloaded", save_latest=False)
+        out[f"{name} clip_grad"] = getattr(engine.optimizer, "clip_grad", CLIP)  # ZeRO-3 keeps the job's
         train(engine, range(K + J, K + J + L), rank, world, torch.bfloat16 if precision == "bf16" else torch.float32)
         out[f"{name}@{K + J + L}"] = _ds_masters(engine)
     return out
@@ -143,8 +150,9 @@ def test_deepspeed_zeroshard_deepspeed(tmp_path: Path) -> None:
             continue
         cfg = tmp_path / f"{name}.json"
         cfg.write_text(json.dumps(ds_config(stage, precision)))
+        config = [] if name == NO_CONFIG else ["--ds-config", str(cfg)]
         assert cli(["convert", str(tmp_path / "zs" / name), str(tmp_path / "back" / name), "--to", "deepspeed",
-                    "--world-size", str(DS_WORLD), "--ds-config", str(cfg), "--quiet"]) == 0
+                    "--world-size", str(DS_WORLD), *config, "--quiet"]) == 0
     back = run_distributed(ds_resume, DS_WORLD, root, timeout=900)[0]
     for name, (_stage, precision, _offload) in RUNS.items():
         if name == "s2_offload":
@@ -156,6 +164,7 @@ def test_deepspeed_zeroshard_deepspeed(tmp_path: Path) -> None:
                 for key in ("master", "exp_avg", "exp_avg_sq"):
                     assert torch.equal(ds.read(key, n, 0, p.numel), zs.read(key, n, 0, p.numel)), (name, key, n)
                 assert float(ds.read_scalar("step", n)) == float(zs.read_scalar("step", n)) == K + J, (name, n)
+        assert back[f"{name} clip_grad"] == CLIP, (name, back[f"{name} clip_grad"])
         rel = relative_distance(back[f"{name}@{K + J + L}"], ref[f"{name}@{K + J + L}"])
         report.append(f"{name}: -> DeepSpeed x{DS_WORLD}, {L} steps: rel {rel:.1e}")
         assert rel <= (BF16_TOL if precision == "bf16" else FP32_TOL), report[-1]

@@ -210,3 +210,29 @@ def test_to_deepspeed_refusals_and_cli(ckpt: Path, tmp_path: Path, capsys: pytes
         scaler = osd["loss_scaler"]
         assert type(scaler).__name__ == "DynamicLossScaler" and scaler.scale_window == 50
         assert osd["clip_grad"] == 0.5 and int(osd["zero_stage"]) == 1
+
+
+def test_a_hugging_face_auto_config_takes_the_checkpoints_values(ckpt: Path, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """transformers' DeepSpeed configs leave values "auto" (filled from the training arguments at run
+    time): the conversion takes them from the checkpoint, which records the clipping (1.0) and
+    precision (bf16) it trained with, and DeepSpeed's reader then sees them in the files."""
+    auto = {"bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}, "gradient_clipping": "auto",
+            "zero_optimization": {"stage": 2, "sub_group_size": "auto"}, "train_batch_size": "auto"}
+    (tmp_path / "auto.json").write_text(json.dumps(auto))
+    assert cli(["convert", str(ckpt), str(tmp_path / "auto"), "--to", "deepspeed", "--world-size", "2",
+                "--ds-config", str(tmp_path / "auto.json"), "--quiet"]) == 0
+    files = sorted(p.name for p in (tmp_path / "auto" / "global_step2").iterdir())
+    assert files[0].startswith("bf16_zero_pp_rank_0"), files  # the checkpoint's bf16, not "auto" read as on
+    with open_source(tmp_path / "auto" / "global_step2") as ds:
+        assert ds.zero_stage == 2 and ds.gradient_clipping == 1.0
+    off = {**auto, "bf16": {"enabled": False}, "fp16": {"enabled": False}, "gradient_clipping": 0.25}
+    (tmp_path / "off.json").write_text(json.dumps(off))
+    assert cli(["convert", str(ckpt), str(tmp_path / "off"), "--to", "deepspeed", "--world-size", "2",
+                "--ds-config", str(tmp_path / "off.json"), "--quiet"]) == 0
+    with open_source(tmp_path / "off" / "global_step2") as ds:
+        assert ds.gradient_clipping == 0.25 and not any(ds.path.glob("bf16_*"))
+    (tmp_path / "bad.json").write_text(json.dumps({**auto, "gradient_clipping": "one"}))
+    assert cli(["convert", str(ckpt), str(tmp_path / "bad"), "--to", "deepspeed", "--world-size", "2",
+                "--ds-config", str(tmp_path / "bad.json")]) == 2
+    assert "gradient_clipping is 'one', expected a number or \"auto\"" in capsys.readouterr().err

@@ -138,6 +138,8 @@ class DeepSpeedSource(CheckpointSource):
         self.param_groups = self._param_groups(osd)
         self.lr_scheduler = materialize(model.get("lr_scheduler"))
         self.loss_scaler = self._scaler(osd)
+        clip = osd.get("clip_grad")  # stages 1-2 record it; DeepSpeed's load adopts it
+        self.gradient_clipping = float(clip) if isinstance(clip, (int, float)) and not isinstance(clip, bool) else None
         self.counters = {k: int(model[k]) for k in ("global_steps", "global_samples", "skipped_steps") if k in model}
         self.dataloader = None
         self.client_state = {k: materialize(v) for k, v in model.items() if k not in _DS_KEYS}

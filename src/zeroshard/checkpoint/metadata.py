@@ -120,6 +120,8 @@ class CheckpointMeta:
     versions: dict[str, str] = field(default_factory=dict)
     #: frozen parameters, stored in pieces (``frozen/<name>``)
     frozen_params: list[ParamMeta] = field(default_factory=list)
+    #: the job's ``gradient_clipping`` (0: none); absent from files saved before it was recorded
+    gradient_clipping: float | None = None
 
     def to_bytes(self) -> bytes:
         """The JSON document."""
@@ -185,6 +187,9 @@ def _validate(raw: dict[str, Any], path: Path) -> None:
     for key, kind in (("param_groups", list), ("lr_scheduler", dict), ("loss_scaler", dict), ("dataloader", dict)):
         expect(raw.get(key) is None or isinstance(raw[key], kind), key, f"null or a JSON {kind.__name__}")
     expect(isinstance(raw.get("client_state"), dict), "client_state", "a JSON object")
+    clip = raw.get("gradient_clipping")
+    expect(clip is None or (isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip >= 0),
+           "gradient_clipping", "null or a non-negative number")
     if isinstance(raw.get("param_groups"), list):
         expect(_list_of(raw["param_groups"], lambda g: isinstance(g, dict)), "param_groups", "a list of objects")
     _validate_params(raw.get("params"), "params", files, expect)

@@ -141,6 +141,7 @@ def _describe(engine: Any, tag: str, world: int, trained: list[collect.TrainedPa
         dataloader=loader.state_dict() if hasattr(loader, "state_dict") else None,
         client_state=encode(client_state, table, "client_state"),
         versions={"zeroshard": __version__, "torch": torch.__version__},
+        gradient_clipping=float(engine.config.gradient_clipping),
     )
 
 

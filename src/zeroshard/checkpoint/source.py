@@ -91,6 +91,8 @@ class CheckpointSource:
     counters: dict[str, int]
     dataloader: Any
     client_state: dict[str, Any]
+    #: the saving job's gradient clipping (0: none), where the checkpoint records it
+    gradient_clipping: float | None = None
 
     def read(self, key: str, name: str, lo: int, hi: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Elements ``[lo, hi)`` of the flattened master (``key="master"``) or sharded state ``key``.
@@ -171,6 +173,7 @@ class ZeroshardSource(CheckpointSource):
         except CheckpointError as e:
             raise CheckpointError(f"{path / META_FILE}: {e}") from None
         self.loss_scaler, self.counters, self.dataloader = meta.loss_scaler, meta.counters, meta.dataloader
+        self.gradient_clipping = meta.gradient_clipping
 
     def _reader(self, fname: str) -> SafetensorsReader:
         if fname not in self._readers:

@@ -31,6 +31,7 @@ import logging
 import math
 import os
 import shutil
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,7 +65,9 @@ class DeepSpeedTarget:
     world_size: int
     stage: int
     dtype: torch.dtype
-    gradient_clipping: float = 1.0
+    gradient_clipping: float | None = None
+    """Written as ``clip_grad`` at stages 1-2, which DeepSpeed's load adopts over the job's own
+    setting; ``None``: the source checkpoint's, else 0 (DeepSpeed's default, no clipping)."""
     sub_group_size: int = 10**9
     ds_config: dict[str, Any] | None = None
 
@@ -79,19 +82,50 @@ class DeepSpeedTarget:
 
 def target_from_config(config: dict[str, Any], world_size: int, src: CheckpointSource) -> DeepSpeedTarget:
     """Stage, precision, clipping and sub-group size from a DeepSpeed config dict; what it does not
-    say comes from the source checkpoint (stage, precision) or DeepSpeed's defaults."""
+    say, or leaves ``"auto"`` (a Hugging Face config, filled from the training arguments at run
+    time), comes from the source checkpoint (stage, precision, clipping) or DeepSpeed's defaults."""
     zero = config.get("zero_optimization") or {}
-    stage = int(zero.get("stage", max(src.zero_stage, 1)))
-    if (config.get("bf16") or config.get("bfloat16") or {}).get("enabled"):
-        dtype = torch.bfloat16
-    elif (config.get("fp16") or {}).get("enabled"):
-        dtype = torch.float16
-    elif "bf16" in config or "fp16" in config:
-        dtype = torch.float32
+    stage = _number(zero, "stage", "zero_optimization.stage", int)
+    blocks = [(kind, config[key].get("enabled")) for key, kind in
+              (("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16), ("fp16", torch.float16))
+              if isinstance(config.get(key), dict)]
+    on = [kind for kind, enabled in blocks if enabled is True]
+    if on:
+        dtype = on[0]
+    elif blocks and all(enabled is not None and enabled != "auto" for _, enabled in blocks):
+        dtype = torch.float32  # the blocks turn 16-bit training off
     else:
         dtype = source_dtype(src)
-    return DeepSpeedTarget(world_size, stage, dtype, float(config.get("gradient_clipping", 1.0)),
-                           int(float(zero.get("sub_group_size", 1e9))), config)
+    clip = _number(config, "gradient_clipping", "gradient_clipping", float)
+    sub_group = _number(zero, "sub_group_size", "zero_optimization.sub_group_size", float)
+    return DeepSpeedTarget(world_size, int(stage) if stage is not None else max(src.zero_stage, 1), dtype, clip,
+                           int(sub_group) if sub_group is not None else 10**9, config)
+
+
+def _number(block: dict[str, Any], key: str, dotted: str, kind: type) -> Any:
+    """``block[key]`` as a number; ``None`` when absent or ``"auto"``."""
+    value = block.get(key)
+    if value is None or value == "auto":
+        return None
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        return kind(float(value))
+    except (TypeError, ValueError):
+        raise CheckpointError(f"DeepSpeed config: {dotted} is {value!r}, expected a number or \"auto\"") from None
+
+
+def clipping(target: DeepSpeedTarget, src: CheckpointSource) -> float:
+    """The ``clip_grad`` to write: the target's, else the source's, else 0 with a warning, as
+    DeepSpeed's stage 1-2 load replaces the job's gradient_clipping with it."""
+    if target.gradient_clipping is not None:
+        return target.gradient_clipping
+    if src.gradient_clipping is not None:
+        return src.gradient_clipping
+    warnings.warn(f"{src.path} does not record its gradient clipping; the DeepSpeed checkpoint says 0 (none), which "
+                  "DeepSpeed's ZeRO-1/2 load puts in place of the job's gradient_clipping: pass --ds-config with "
+                  "the job's config to write its value", stacklevel=2)
+    return 0.0
 
 
 def source_dtype(src: CheckpointSource) -> torch.dtype:
@@ -239,7 +273,7 @@ def _optim_12(src: CheckpointSource, groups: list[list[_Member]], target: DeepSp
         mappings.append(OrderedDict((n, _fragment(hi - lo, at)) for n, lo, hi, at in pieces))
         state[g] = _opt_state(src, [m.name for m in members], pieces, size)
     groups_state = [{**o, "params": [g]} for g, o in enumerate(opts)]  # one flat parameter per group
-    return {**common, "clip_grad": target.gradient_clipping,
+    return {**common, "clip_grad": clipping(target, src),
             "base_optimizer_state": {"state": state, "param_groups": groups_state},
             "single_partition_of_fp32_groups": parts, "zero_stage": ds_pickle.zero_stage(target.stage),
             "group_paddings": paddings, "param_alignment_paddings": [[0] * len(m) for m in groups],
