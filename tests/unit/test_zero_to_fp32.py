@@ -236,3 +236,26 @@ def test_a_hugging_face_auto_config_takes_the_checkpoints_values(ckpt: Path, tmp
     assert cli(["convert", str(ckpt), str(tmp_path / "bad"), "--to", "deepspeed", "--world-size", "2",
                 "--ds-config", str(tmp_path / "bad.json")]) == 2
     assert "gradient_clipping is 'one', expected a number or \"auto\"" in capsys.readouterr().err
+
+
+def test_metadata_of_a_newer_writer_loads(ckpt: Path, tmp_path: Path) -> None:
+    """An optional key a newer zeroshard adds is ignored with a warning naming it; without the
+    recorded clipping (files saved before it was recorded) the value is None."""
+    from zeroshard.checkpoint.metadata import CheckpointMeta
+
+    raw = json.loads((ckpt / "global_step2" / "zeroshard.json").read_text())
+    assert raw["gradient_clipping"] == 1.0
+    (tmp_path / "newer.json").write_text(json.dumps({**raw, "sparse_layout": {"x": 1}}))
+    with pytest.warns(UserWarning, match="ignoring keys this zeroshard does not know: sparse_layout"):
+        meta = CheckpointMeta.from_file(tmp_path / "newer.json")
+    assert meta == CheckpointMeta.from_file(ckpt / "global_step2" / "zeroshard.json")
+    (tmp_path / "older.json").write_text(json.dumps({k: v for k, v in raw.items() if k != "gradient_clipping"}))
+    assert CheckpointMeta.from_file(tmp_path / "older.json").gradient_clipping is None
+    from types import SimpleNamespace
+
+    from zeroshard.checkpoint.to_deepspeed import clipping
+
+    old = SimpleNamespace(path=tmp_path, gradient_clipping=None)
+    with pytest.warns(UserWarning, match="does not record its gradient clipping; the DeepSpeed checkpoint says 0"):
+        assert clipping(DeepSpeedTarget(2, 2, torch.float32), old) == 0.0  # type: ignore[arg-type]
+    assert clipping(DeepSpeedTarget(2, 2, torch.float32, 0.3), old) == 0.3  # type: ignore[arg-type]

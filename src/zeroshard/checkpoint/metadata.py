@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,12 @@ class CheckpointMeta:
             raise CheckpointError(f"{path} has format version {raw.get('version')}; this zeroshard reads "
                                   f"versions {', '.join(map(str, READABLE))}")
         _validate(raw, path)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(k for k in raw if k not in known)
+        if unknown:  # optional fields of a newer zeroshard (formats change by version, not by key)
+            warnings.warn(f"{path}: ignoring keys this zeroshard does not know: {', '.join(unknown)} (written by "
+                          "a newer version?)", stacklevel=2)
+            raw = {k: v for k, v in raw.items() if k in known}
         try:
             for key in ("params", "frozen_params"):
                 raw[key] = [ParamMeta(**{**p, "pieces": [Piece(**x) for x in p["pieces"]]}) for p in raw.get(key, [])]
