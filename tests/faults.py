@@ -31,7 +31,7 @@ from teardown import died_in_teardown, done_markers
 
 SCRIPT = Path(__file__).resolve().parent / "fault_train.py"
 TIMEOUT_S = 5.0
-MARGIN_S = 25.0
+MARGIN_S = 35.0
 STEPS = 6
 POINTS = ("forward", "backward", "step", "save")
 
