@@ -9,6 +9,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,9 +18,11 @@ from safetensors.torch import load_file
 from torch import nn
 
 import zeroshard
+from zeroshard.checkpoint.metadata import CheckpointMeta
 from zeroshard.checkpoint.source import MASTER, open_source
 from zeroshard.checkpoint.to_deepspeed import (
     DeepSpeedTarget,
+    clipping,
     partition_size_12,
     sub_groups_3,
     write_deepspeed_checkpoint,
@@ -240,9 +243,8 @@ def test_a_hugging_face_auto_config_takes_the_checkpoints_values(ckpt: Path, tmp
 
 def test_metadata_of_a_newer_writer_loads(ckpt: Path, tmp_path: Path) -> None:
     """An optional key a newer zeroshard adds is ignored with a warning naming it; without the
-    recorded clipping (files saved before it was recorded) the value is None."""
-    from zeroshard.checkpoint.metadata import CheckpointMeta
-
+    recorded clipping (files saved before it was recorded) the value is None, and the conversion
+    writes DeepSpeed's default with a warning unless told the job's value."""
     raw = json.loads((ckpt / "global_step2" / "zeroshard.json").read_text())
     assert raw["gradient_clipping"] == 1.0
     (tmp_path / "newer.json").write_text(json.dumps({**raw, "sparse_layout": {"x": 1}}))
@@ -251,10 +253,6 @@ def test_metadata_of_a_newer_writer_loads(ckpt: Path, tmp_path: Path) -> None:
     assert meta == CheckpointMeta.from_file(ckpt / "global_step2" / "zeroshard.json")
     (tmp_path / "older.json").write_text(json.dumps({k: v for k, v in raw.items() if k != "gradient_clipping"}))
     assert CheckpointMeta.from_file(tmp_path / "older.json").gradient_clipping is None
-    from types import SimpleNamespace
-
-    from zeroshard.checkpoint.to_deepspeed import clipping
-
     old = SimpleNamespace(path=tmp_path, gradient_clipping=None)
     with pytest.warns(UserWarning, match="does not record its gradient clipping; the DeepSpeed checkpoint says 0"):
         assert clipping(DeepSpeedTarget(2, 2, torch.float32), old) == 0.0  # type: ignore[arg-type]

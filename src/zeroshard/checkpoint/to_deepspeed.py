@@ -84,8 +84,7 @@ def target_from_config(config: dict[str, Any], world_size: int, src: CheckpointS
     """Stage, precision, clipping and sub-group size from a DeepSpeed config dict; what it does not
     say, or leaves ``"auto"`` (a Hugging Face config, filled from the training arguments at run
     time), comes from the source checkpoint (stage, precision, clipping) or DeepSpeed's defaults."""
-    zero = config.get("zero_optimization") or {}
-    stage = _number(zero, "stage", "zero_optimization.stage", int)
+    stage = _number(config, "zero_optimization.stage")
     blocks = [(kind, config[key].get("enabled")) for key, kind in
               (("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16), ("fp16", torch.float16))
               if isinstance(config.get(key), dict)]
@@ -96,23 +95,26 @@ def target_from_config(config: dict[str, Any], world_size: int, src: CheckpointS
         dtype = torch.float32  # the blocks turn 16-bit training off
     else:
         dtype = source_dtype(src)
-    clip = _number(config, "gradient_clipping", "gradient_clipping", float)
-    sub_group = _number(zero, "sub_group_size", "zero_optimization.sub_group_size", float)
+    clip = _number(config, "gradient_clipping")
+    sub_group = _number(config, "zero_optimization.sub_group_size")
     return DeepSpeedTarget(world_size, int(stage) if stage is not None else max(src.zero_stage, 1), dtype, clip,
                            int(sub_group) if sub_group is not None else 10**9, config)
 
 
-def _number(block: dict[str, Any], key: str, dotted: str, kind: type) -> Any:
-    """``block[key]`` as a number; ``None`` when absent or ``"auto"``."""
-    value = block.get(key)
+def _number(config: dict[str, Any], path: str) -> float | None:
+    """The value at the dotted ``path`` as a number; ``None`` when absent or ``"auto"``."""
+    *blocks, key = path.split(".")
+    for block in blocks:
+        config = config.get(block) or {}
+    value = config.get(key)
     if value is None or value == "auto":
         return None
     try:
         if isinstance(value, bool):
             raise ValueError
-        return kind(float(value))
+        return float(value)
     except (TypeError, ValueError):
-        raise CheckpointError(f"DeepSpeed config: {dotted} is {value!r}, expected a number or \"auto\"") from None
+        raise CheckpointError(f"DeepSpeed config: {path} is {value!r}, expected a number or \"auto\"") from None
 
 
 def clipping(target: DeepSpeedTarget, src: CheckpointSource) -> float:
