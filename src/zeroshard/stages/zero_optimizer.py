@@ -197,7 +197,9 @@ class ZeroOptimizer:
         if client.state:
             raise ValueError("the client optimizer already has state; pass it to initialize() before stepping")
         for g in client.param_groups:
-            g["params"] = [self.master.views[p] for p in g["params"]]
+            # A frozen parameter listed in a group (a group built before freezing) is not trained
+            # and has no master: it leaves the group, as DeepSpeed keeps only those requiring grad.
+            g["params"] = [self.master.views[p] for p in g["params"] if p.requires_grad]
         self.optimizer = client
         self.store.bind(client)
 

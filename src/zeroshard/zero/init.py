@@ -9,10 +9,11 @@ the whole model; other stages gather the chunks back into full parameters.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any
 
@@ -62,6 +63,13 @@ class Init:
         self._handle: Any = None
         self._session: InitSession | None = None
         self._created: list[tuple[torch.nn.Module, str]] = []
+        #: a nested block: the outermost block open when this one began, and where its parameters start
+        self._outer: Init | None = None
+        self._first = 0
+        #: inside ``initialize`` (see :func:`outside_init`): new parameters are left as they are
+        self._paused = False
+        #: parameters and elements settled so far (for the closing log line)
+        self._settled = [0, 0]
         #: after the block: most bytes of parameter values this rank held at once while building
         self.peak_bytes = 0
 
@@ -71,13 +79,22 @@ class Init:
         from zeroshard.comm.groups import init_distributed
 
         init_distributed()
+        if _OPEN:
+            # Nested (a model whose constructor builds a sub-model under its own zero.Init, as
+            # transformers' composite models do): the outermost block keeps partitioning; this
+            # one only settles, on exit, the parameters created while it was open.
+            self._outer = _OPEN[0]
+            self._first = len(self._outer._created)
+            return self
         self._session = InitSession(self.group)
         self._handle = register_module_parameter_registration_hook(self._on_register)
+        _OPEN.append(self)
         return self
 
     def _on_register(self, module: torch.nn.Module, name: str, param: torch.nn.Parameter) -> Any:
-        if isinstance(param, LazyShardTensor) or param is None:
-            self._created.append((module, name))
+        if self._paused or isinstance(param, LazyShardTensor) or param is None:
+            if not self._paused:
+                self._created.append((module, name))
             return None
         assert self._session is not None
         data = param.detach()
@@ -93,11 +110,30 @@ class Init:
                  tb: TracebackType | None) -> None:
         if not self.enabled:
             return
+        if self._outer is not None:
+            self._outer.settle(self._first)
+            return
         self._handle.remove()
+        _OPEN.remove(self)
         assert self._session is not None
+        self.settle()
         self._session.close()
+        self.peak_bytes = self._session.peak_bytes
+        logger.info("zero.Init: %d parameters (%d elements) partitioned over %d ranks",
+                    self._settled[0], self._settled[1], self._session.world)
+
+    def settle(self, first: int = 0) -> list[torch.nn.Parameter]:
+        """Turn the parameters created since the ``first``-th into partitioned parameters
+        (an empty placeholder with this rank's chunk and DeepSpeed's ``ds_*`` attributes), as the
+        end of the block does; later parameters are still partitioned as they are registered.
+
+        A collective: every rank settles at the same point (the end of a nested block, or
+        ``initialize`` called inside the block). Returns the parameters it converted.
+        """
+        assert self._session is not None
+        self._session.flush()  # every cached full parameter back to its chunk
         converted: dict[int, torch.nn.Parameter] = {}
-        for module, name in self._created:
+        for module, name in self._created[first:]:
             lazy = module._parameters.get(name)
             if not isinstance(lazy, LazyShardTensor):
                 continue
@@ -111,10 +147,34 @@ class Init:
                 tag_deepspeed(real, core.shape, self._session.world)
                 converted[id(lazy.core)] = real
             module._parameters[name] = converted[id(lazy.core)]
-        n = sum(int(torch.Size(getattr(p, SHAPE_ATTR)).numel()) for p in converted.values())
-        self.peak_bytes = self._session.peak_bytes
-        logger.info("zero.Init: %d parameters (%d elements) partitioned over %d ranks",
-                    len(converted), n, self._session.world)
+        del self._created[first:]
+        self._settled[0] += len(converted)
+        self._settled[1] += sum(int(torch.Size(getattr(p, SHAPE_ATTR)).numel()) for p in converted.values())
+        return list(converted.values())
+
+
+#: The outermost ``zero.Init`` block open now, if any: torch's registration hook is process-wide,
+#: so one block partitions at a time and nested blocks defer to it.
+_OPEN: list[Init] = []
+
+
+@contextlib.contextmanager
+def outside_init() -> Iterator[None]:
+    """Settle the parameters an open ``zero.Init`` block created so far, and partition nothing new
+    inside the ``with``: what ``initialize`` does when called inside the block (a collective).
+
+    The model it is given was built in the block; the engine's own parameters are not the model's.
+    """
+    outer = _OPEN[0] if _OPEN else None
+    if outer is None:
+        yield
+        return
+    outer.settle()
+    outer._paused = True
+    try:
+        yield
+    finally:
+        outer._paused = False
 
 
 #: DeepSpeed's attributes of a partitioned parameter, which Hugging Face code reads (``ds_numel`` in the

@@ -1,0 +1,157 @@
+"""Defects that DeepSpeed's own unit tests found when run against zeroshard (issue #38), each
+checked here against plain PyTorch on 2 gloo ranks:
+
+* ``initialize`` called inside ``with zero.Init():`` deadlocked (rank 0 all-gathering a parameter the
+  block still held lazily, rank 1 broadcasting it): DeepSpeed's ``TestDSInitWZinit``;
+* a ``zero.Init`` nested in another (a composite model whose parts build under their own block)
+  failed with an ``AssertionError`` on exit: ``test_zero_nesting_init.py``;
+* a client optimizer whose param groups list frozen parameters failed with a ``KeyError`` at
+  stages 1-3: ``TestZeroToFP32::test_2_param_groups``.
+
+The reference is one process of plain PyTorch over the global batch, from the same initial values
+(``zero.Init`` runs the constructors' initialisers on the same random stream). ToyNet's parameter
+sizes are odd, so no parameter divides evenly between the ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from harness import run_distributed
+from models import ToyNet, gathered_weights, make_data, micro_batch, relative_distance
+
+import zeroshard
+
+STEPS, MB, WORLD, LR, TOL = 4, 3, 2, 1e-2, 1e-5
+
+
+def _config(stage: int | None, optimizer: bool = True) -> dict[str, Any]:
+    cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": MB, "gradient_clipping": 0.0}
+    if optimizer:
+        cfg["optimizer"] = {"type": "Adam", "params": {"lr": LR}}
+    if stage is not None:  # None: no zero_optimization block at all, as in DeepSpeed's test
+        cfg["zero_optimization"] = {"stage": stage, "stage3_param_persistence_threshold": 0}
+    return cfg
+
+
+def _train(engine: Any, rank: int, world: int) -> dict[str, torch.Tensor]:
+    x, y = make_data(STEPS, MB * world)
+    for step in range(STEPS):
+        xs, ys = micro_batch(x, step, 0, rank, world, MB), micro_batch(y, step, 0, rank, world, MB)
+        engine.backward(engine(xs, ys))
+        engine.step()
+    weights = gathered_weights(engine)
+    engine.destroy()
+    return weights
+
+
+def _reference(make_optimizer: Any, frozen: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = ToyNet()
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in frozen)
+    opt = make_optimizer(model)
+    x, y = make_data(STEPS, MB * WORLD)
+    for step in range(STEPS):
+        opt.zero_grad()
+        model(x[step], y[step]).backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _adam(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=LR)
+
+
+def _initialize_inside_init(rank: int, world: int) -> dict[str, Any]:
+    out = {}
+    for stage in (None, 2, 3):
+        torch.manual_seed(0)
+        with zeroshard.zero.Init():
+            model = ToyNet()
+            engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(),
+                                              config=_config(stage))
+        out[str(stage)] = _train(engine, rank, world)
+    return out
+
+
+def test_initialize_inside_zero_init_trains_as_plain_torch() -> None:
+    """No zero_optimization block (stage 0, the deadlock), stage 2 and stage 3: every stage
+    gathers or adopts what the block partitioned, and trains as plain PyTorch does."""
+    ref = _reference(_adam)
+    for rank, result in enumerate(run_distributed(_initialize_inside_init, WORLD, timeout=120)):
+        for stage, weights in result.items():
+            assert relative_distance(weights, ref) <= TOL, (rank, stage, relative_distance(weights, ref))
+
+
+def _nested_init(rank: int, world: int) -> dict[str, Any]:
+    cfg = _config(3)
+    torch.manual_seed(0)
+    with zeroshard.zero.Init(config_dict_or_path=cfg):
+        with zeroshard.zero.Init(config_dict_or_path=cfg):
+            first = ToyNet()
+        # settled by the inner block's end, while the outer block is still open
+        settled = all(hasattr(p, "ds_id") and p.numel() == 0 for p in first.parameters())
+        engine1, *_ = zeroshard.initialize(model=first, model_parameters=first.parameters(), config=cfg)
+        torch.manual_seed(0)
+        with zeroshard.zero.Init(config_dict_or_path=cfg):
+            second = ToyNet()
+        torch.manual_seed(0)
+        third = ToyNet()  # the outer block's own, after a nested one ended
+    partitioned = all(hasattr(p, "ds_id") and p.numel() == 0 for m in (second, third) for p in m.parameters())
+    engine2, *_ = zeroshard.initialize(model=second, model_parameters=second.parameters(), config=cfg)
+    engine3, *_ = zeroshard.initialize(model=third, model_parameters=third.parameters(), config=cfg)
+    return {"settled": settled, "partitioned": partitioned,
+            "weights": [_train(e, rank, world) for e in (engine1, engine2, engine3)]}
+
+
+def test_nested_zero_init_partitions_once_and_trains_as_plain_torch() -> None:
+    ref = _reference(_adam)
+    for rank, result in enumerate(run_distributed(_nested_init, WORLD, timeout=120)):
+        assert result["settled"] and result["partitioned"], (rank, result["settled"], result["partitioned"])
+        for i, weights in enumerate(result["weights"]):
+            assert relative_distance(weights, ref) <= TOL, (rank, i, relative_distance(weights, ref))
+
+
+FROZEN = ("embed.weight", "embed.bias")
+
+
+def _client_groups(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """Hugging Face-style decay / no-decay groups built over every parameter, frozen ones included."""
+    named = list(model.named_parameters())
+    return torch.optim.SGD([{"params": [p for n, p in named if n.endswith("weight")], "weight_decay": 0.01},
+                            {"params": [p for n, p in named if not n.endswith("weight")], "weight_decay": 0.0}],
+                           lr=LR, momentum=0.9)
+
+
+def _frozen_in_groups(rank: int, world: int) -> dict[str, Any]:
+    out = {}
+    for stage in (1, 2, 3):
+        torch.manual_seed(0)
+        model = ToyNet()
+        for name in FROZEN:
+            model.get_parameter(name).requires_grad_(False)
+        optimizer = _client_groups(model)
+        engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), optimizer=optimizer,
+                                          config=_config(stage, optimizer=False))
+        out[stage] = _train(engine, rank, world)
+    return out
+
+
+def test_client_optimizer_groups_with_frozen_parameters() -> None:
+    """The frozen parameters stay as built; the rest train as torch's SGD over the same groups."""
+    ref = _reference(_client_groups, FROZEN)
+    torch.manual_seed(0)
+    initial = {n: p.detach() for n, p in ToyNet().named_parameters()}
+    assert relative_distance(initial, ref) > 100 * TOL, "the reference barely trained"
+    for rank, result in enumerate(run_distributed(_frozen_in_groups, WORLD, timeout=120)):
+        for stage, weights in result.items():
+            assert relative_distance(weights, ref) <= TOL, (rank, stage, relative_distance(weights, ref))
+            for name in FROZEN:
+                assert torch.equal(weights[name], initial[name]), (rank, stage, name)
+
+
+if __name__ == "__main__":
+    pytest.main([__file__, "-q"])
