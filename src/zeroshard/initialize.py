@@ -36,7 +36,7 @@ from zeroshard.optim.shape_dependent import refuse_shape_dependent
 from zeroshard.partition import full_numel
 from zeroshard.precision import PrecisionPolicy, make_loss_scaler
 from zeroshard.stages import Stage3Optimizer, StageSpec, ZeroOptimizer
-from zeroshard.stages.units import apply_leaf_module_config
+from zeroshard.stages.units import apply_leaf_module_config, mark_fine_grained_leaves
 from zeroshard.zero.init import materialize_init_params, outside_init
 
 logger = logging.getLogger("zeroshard")
@@ -132,6 +132,7 @@ def initialize(
                                      need_trained=optimizer is not None or cfg.optimizer is not None)
         if cfg.zero_stage == 3:
             apply_leaf_module_config(model, cfg.zero_optimization.leaf_module)
+            mark_fine_grained_leaves(model, cfg.zero_optimization.stage3_module_granularity_threshold)
             # ZeRO-3 partitions the parameters it trains and the frozen ones (requires_grad=False);
             # one outside the optimizer that requires gradients stays whole (it warns with the size).
             trained = {id(p) for g in param_groups for p in g["params"]}
@@ -152,8 +153,13 @@ def initialize(
             max_live_parameters=int(z.stage3_max_live_parameters),
             prefetch_bucket_size=int(z.stage3_prefetch_bucket_size),
             param_persistence_threshold=int(z.stage3_param_persistence_threshold),
+            skip_non_finite=cfg.fp16.enabled or not cfg.bf16.enabled or bool(cfg.bf16.check_grad_overflow),
         )
         _note_default_clipping(cfg, group)
+        if not spec.skip_non_finite and C.rank(group) == 0:
+            logger.warning("zeroshard: bf16.check_grad_overflow is false: a step whose gradients hold NaN or Inf is "
+                           "applied, as in DeepSpeed, and the parameters then hold NaN or Inf; remove the key to "
+                           "skip such steps")
         scaler = make_loss_scaler(cfg.fp16)
         offload = OffloadPolicy.from_config(cfg)
         zero_opt = (
@@ -184,9 +190,9 @@ def initialize(
             warn_no_effect(cfg)
             if cfg.dump_state:  # DeepSpeed's dump_state: the engine's settings after initialization
                 logger.info("zeroshard: dump_state: %s", json.dumps(to_dict(cfg), indent=2, sort_keys=True))
-        trained = sum(full_numel(p) for p in zero_opt.master.views)
+        n_trained = sum(full_numel(p) for p in zero_opt.master.views)
         logger.info("zeroshard: ZeRO stage %d, %s, world size %d, %d trainable parameters, initialized in %.1f s",
-                    spec.stage, policy.param_dtype, engine.world_size, trained, time.perf_counter() - started)
+                    spec.stage, policy.param_dtype, engine.world_size, n_trained, time.perf_counter() - started)
         return engine, zero_opt, loader, scheduler
 
 
@@ -197,8 +203,10 @@ def _reduce_scaling(cfg: ZeroshardConfig, world: int) -> tuple[float, float] | N
     divided by ``gradient_predivide_factor`` before it and by ``world / factor`` after it (keeping
     16-bit sums in range). Both at their defaults: ``None``, the stage's own placement (stages 0-1
     divide as gradients are accumulated, stages 2-3 after each reduction), which only rounds
-    differently.
+    differently. ``gradient_allreduce_op: "sum"`` divides by nothing, whatever the other two say.
     """
+    if cfg.gradient_allreduce_op == "sum":
+        return 1.0, 1.0
     if cfg.prescale_gradients:
         return 1.0 / world, 1.0
     factor = float(cfg.gradient_predivide_factor)

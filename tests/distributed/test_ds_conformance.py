@@ -23,6 +23,7 @@ from harness import run_distributed
 from models import ToyNet, gathered_weights, make_data, micro_batch, relative_distance
 
 import zeroshard
+from zeroshard.config import load_config
 
 STEPS, MB, WORLD, LR, TOL = 4, 3, 2, 1e-2, 1e-5
 
@@ -155,3 +156,99 @@ def test_client_optimizer_groups_with_frozen_parameters() -> None:
 
 if __name__ == "__main__":
     pytest.main([__file__, "-q"])
+
+
+GA = 2
+#: gradient_allreduce_op "sum" divides by nothing: prescale_gradients and gradient_predivide_factor
+#: change nothing then (DeepSpeed's TestGradientAllreduceOp, all three combinations)
+SUM_CASES = [(stage, extra) for stage in (0, 1, 2)
+             for extra in ({}, {"prescale_gradients": True}, {"gradient_predivide_factor": 2.0})]
+
+
+def _sum_reference() -> dict[str, torch.Tensor]:
+    """Plain PyTorch: the gradient of each step is the sum over the ranks of their own
+    (accumulation-averaged) gradients, i.e. WORLD times the global batch's mean."""
+    torch.manual_seed(0)
+    model = ToyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    x, y = make_data(STEPS, MB * WORLD * GA)
+    for step in range(STEPS):
+        opt.zero_grad()
+        (model(x[step], y[step]) * WORLD).backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _allreduce_sum(rank: int, world: int) -> list[dict[str, torch.Tensor]]:
+    out = []
+    x, y = make_data(STEPS, MB * world * GA)
+    for stage, extra in SUM_CASES:
+        torch.manual_seed(0)
+        model = ToyNet()
+        cfg = {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": GA, "gradient_clipping": 0.0,
+               "gradient_allreduce_op": "sum", "optimizer": {"type": "SGD", "params": {"lr": LR}},
+               "zero_optimization": {"stage": stage}, **extra}
+        engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        for step in range(STEPS):
+            for micro in range(GA):
+                xs, ys = (micro_batch(t, step, micro, rank, world, MB) for t in (x, y))
+                engine.backward(engine(xs, ys))
+                engine.step()
+        out.append(gathered_weights(engine))
+        engine.destroy()
+    return out
+
+
+def test_gradient_allreduce_op_sum_trains_as_plain_torch() -> None:
+    ref = _sum_reference()
+    for rank, result in enumerate(run_distributed(_allreduce_sum, WORLD, timeout=120)):
+        for (stage, extra), weights in zip(SUM_CASES, result):
+            assert relative_distance(weights, ref) <= TOL, (rank, stage, extra, relative_distance(weights, ref))
+
+
+@pytest.mark.parametrize("value, stage, says", [
+    ("sum", 3, "not supported with ZeRO stage 3"),
+    ("max", 2, "gradient_allreduce_op"),
+])
+def test_gradient_allreduce_op_refusals(value: str, stage: int, says: str) -> None:
+    cfg = {"train_batch_size": 2, "gradient_allreduce_op": value, "zero_optimization": {"stage": stage}}
+    with pytest.raises(zeroshard.ConfigError, match=says) as info:
+        load_config(cfg, world_size=2)
+    assert info.value.key == "gradient_allreduce_op"
+
+
+def _ds_tensor(rank: int, world: int) -> dict[str, Any]:
+    out = {}
+    for precision in ("fp32", "bf16"):
+        torch.manual_seed(0)
+        model = ToyNet()
+        cfg = _config(3)
+        cfg["bf16"] = {"enabled": precision == "bf16"}
+        engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        x, y = make_data(1, MB * world)
+        engine.backward(engine(micro_batch(x, 0, 0, rank, world, MB), micro_batch(y, 0, 0, rank, world, MB)))
+        engine.step()
+        parts = {n: (p.ds_tensor.clone(), p.partition_numel(), p.ds_tensor.dtype)
+                 for n, p in engine.module.named_parameters()}
+        with engine.gathered():
+            full = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        out[precision] = {"parts": parts, "full": full}
+        engine.destroy()
+    return out
+
+
+def test_ds_tensor_is_this_ranks_partition() -> None:
+    """DeepSpeed's ``p.ds_tensor`` at stage 3: this rank's padded chunk of the flattened parameter, as
+    the gathered parameter has it. Its dtype is the shard's: in 16-bit training on CPU zeroshard
+    gathers from the fp32 masters and keeps no 16-bit copy, so it is the master chunk (a cast of it
+    is what is gathered)."""
+    for rank, result in enumerate(run_distributed(_ds_tensor, WORLD, timeout=120)):
+        for precision in ("fp32", "bf16"):
+            got = result[precision]
+            for name, (part, numel, part_dtype) in got["parts"].items():
+                flat = got["full"][name].reshape(-1)
+                k = -(-flat.numel() // WORLD)
+                assert part.numel() == numel == k and part_dtype in (flat.dtype, torch.float32), (rank, name)
+                mine = flat[rank * k : (rank + 1) * k]
+                assert torch.equal(part[: mine.numel()].to(flat.dtype), mine), (rank, precision, name)
+                assert not part[mine.numel():].any(), (rank, precision, name)  # the padding

@@ -7,6 +7,8 @@ step 2; the other rank's gradients are finite, so only the all-reduced norm tell
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from harness import log_lines, run_distributed
@@ -95,3 +97,54 @@ def test_raise_names_the_step_and_parameter_on_every_rank() -> None:
 def test_unknown_policy_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="non_finite_gradients"):
         load_config(config(0, "fp32", "ignore"), world_size=1)
+
+
+def ignore_worker(rank: int, world: int) -> dict:
+    """bf16 with ``check_grad_overflow: false``: the poisoned step is applied, as DeepSpeed does."""
+    x, y = make_data(STEPS, BATCH)
+    records = log_lines()
+    out: dict = {}
+    for stage in (0, 1, 2, 3):
+        cfg = config(stage, "bf16", "skip")
+        cfg["bf16"]["check_grad_overflow"] = False
+        model = make_model(0)
+        engine, *_ = zeroshard.initialize(model=model, config=cfg)
+
+        def poison(g: torch.Tensor, engine: Any = engine) -> torch.Tensor:
+            hit = rank == 1 and engine.global_steps == POISONED
+            return g.index_fill(0, torch.tensor([1]), float("nan")) if hit else g
+
+        model.hidden.weight.register_hook(poison)
+        finite_after = []
+        for step in range(STEPS):
+            for m in range(GA):
+                xb, yb = (micro_batch(t, step, m, rank, world, BATCH // (GA * world)) for t in (x, y))
+                engine.backward(engine(xb, yb))
+                engine.step()
+            with engine.gathered():
+                finite_after.append(all(bool(torch.isfinite(p).all()) for p in engine.module.parameters()))
+        out[stage] = {"skipped": engine.skipped_steps, "finite_after": finite_after}
+        engine.destroy()
+    out["log"] = records
+    return out
+
+
+def test_bf16_check_grad_overflow_false_applies_the_step() -> None:
+    """DeepSpeed's test_zero_optim_overflow.py::test_ignore_grad_overflow: nothing is skipped, and the
+    parameters hold NaN from the poisoned step on; initialize said it would be so."""
+    results = run_distributed(ignore_worker, 2)
+    for rank, res in enumerate(results):
+        for stage in (0, 1, 2, 3):
+            assert res[stage]["skipped"] == 0, (rank, stage, res[stage])
+            assert res[stage]["finite_after"] == [i < POISONED for i in range(STEPS)], (rank, stage, res[stage])
+    said = [m for m in results[0]["log"] if "check_grad_overflow is false" in m]
+    assert len(said) == 4, results[0]["log"]
+    assert not [m for m in results[1]["log"] if "check_grad_overflow is false" in m], "only rank 0 warns"
+
+
+def test_check_grad_overflow_false_with_raise_is_a_config_error() -> None:
+    cfg = config(2, "bf16", "raise")
+    cfg["bf16"]["check_grad_overflow"] = False
+    with pytest.raises(ConfigError) as e:
+        load_config(cfg, world_size=1)
+    assert e.value.key == "bf16.check_grad_overflow"

@@ -110,6 +110,29 @@ def test_save_on_rank_0_only_says_every_rank_must_call_it(tmp_path: Path) -> Non
     assert not (tmp_path / "ckpt" / "latest").exists()
 
 
+def empty_dir_worker(rank: int, world: int, workdir: str) -> list[str]:
+    import os
+
+    os.chdir(workdir)  # an empty save_dir would have saved here
+    engine, *_ = zeroshard.initialize(model=make_model(0), config=_config(ga=1))
+    said = []
+    for save_dir in ("", None):
+        try:
+            engine.save_checkpoint(save_dir=save_dir)  # type: ignore[arg-type]
+            said.append("saved")
+        except ValueError as e:  # DeepSpeed's type (TestSaveCheckpointInvalidDir); ours is a ConfigError
+            said.append(f"{type(e).__name__}: {e}")
+    engine.destroy()
+    return said
+
+
+def test_empty_checkpoint_directory_is_refused(tmp_path: Path) -> None:
+    for said in run_distributed(empty_dir_worker, 2, str(tmp_path)):
+        assert said == ["ConfigError: save_dir: save_checkpoint needs a non-empty directory path, got ''",
+                        "ConfigError: save_dir: save_checkpoint needs a non-empty directory path, got None"], said
+    assert not list(tmp_path.iterdir()), "something was saved into the working directory"
+
+
 def load_worker(rank: int, world: int, target: str) -> dict:
     lines = log_lines()
     engine, *_ = zeroshard.initialize(model=make_model(0), config=_config(ga=1))

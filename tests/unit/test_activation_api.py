@@ -355,6 +355,18 @@ def test_configure_errors_name_the_key() -> None:
         ckpt.configure(None, deepspeed_config="/nonexistent/ds.json")
 
 
+@pytest.mark.parametrize("kwargs, key", [
+    ({"partition_activations": True, "contiguous_checkpointing": True}, "number_checkpoints"),
+    ({"contiguous_checkpointing": True, "num_checkpoints": 4}, "partition_activations"),
+])
+def test_contiguous_checkpointing_alone_is_refused_as_deepspeed(kwargs: dict[str, Any], key: str) -> None:
+    """DeepSpeed's configure() refuses these (tests/unit/runtime/activation_checkpointing); a script
+    that configures them would fail there, so it fails here too, naming the missing setting."""
+    with pytest.raises(ConfigError) as e:
+        ckpt.configure(None, **kwargs)
+    assert e.value.key == f"activation_checkpointing.{key}"
+
+
 def test_no_effect_options_are_said(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="zeroshard"):
         ckpt.configure(None, partition_activations=True, contiguous_checkpointing=True, num_checkpoints=4)

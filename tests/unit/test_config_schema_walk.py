@@ -55,13 +55,14 @@ def test_consumer_reads_the_field(path: str) -> None:
 
 def test_no_effect_warning_names_the_key_once(caplog: pytest.LogCaptureFixture) -> None:
     cfg = load_config({"train_batch_size": 2, "zero_optimization": {"round_robin_gradients": True,
-                                                                     "sub_group_size": 1_000_000_000},
-                       "bf16": {"enabled": True, "check_grad_overflow": False}}, world_size=1)
+                                                                     "sub_group_size": 1_000_000_000,
+                                                                     "allgather_partitions": False}}, world_size=1)
     assert ne.no_effect_keys_set(cfg) == {"zero_optimization.round_robin_gradients": True,
-                                          "bf16.check_grad_overflow": False}  # sub_group_size is the default
+                                          "zero_optimization.allgather_partitions": False}  # sub_group_size: default
     ne._warned.clear()
     with caplog.at_level(logging.WARNING, logger="zeroshard"):
-        assert sorted(ne.warn_no_effect(cfg)) == ["bf16.check_grad_overflow", "zero_optimization.round_robin_gradients"]
+        assert sorted(ne.warn_no_effect(cfg)) == ["zero_optimization.allgather_partitions",
+                                                  "zero_optimization.round_robin_gradients"]
         assert ne.warn_no_effect(cfg) == []  # once per key
     assert "'zero_optimization.round_robin_gradients' = True has no effect" in caplog.text
     default = load_config({"train_batch_size": 2}, world_size=1)

@@ -71,3 +71,29 @@ def test_deepspeeds_module_path_of_the_helpers_resolves_to_zeroshards() -> None:
             "assert z3_leaf_module(m[0])\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+class Wide(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.sub, self.act = nn.Linear(100, 100), Block(), nn.GELU()
+
+
+@pytest.mark.parametrize("threshold, expected", [
+    (0, []),  # the default: nothing
+    (7, []),  # below every granularity (a warning names the smallest, 8)
+    (8, ["0.sub", "1"]),  # Block: 24 elements over 3 layers (itself and two Linears)
+    (2024, ["0", "1"]),  # Wide: 10124 elements over 5 layers, marked before its Block
+])
+def test_granularity_threshold_marks_as_deepspeed(threshold: int, expected: list[str],
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """``stage3_module_granularity_threshold``: parents first; containers (the Sequential), modules
+    without children (the Linears) and modules without parameters (GELU) are never marked."""
+    from zeroshard.stages.units import mark_fine_grained_leaves
+
+    model = nn.Sequential(Wide(), Block(), nn.Linear(3, 3))
+    names = {id(m): n for n, m in model.named_modules()}
+    marked = mark_fine_grained_leaves(model, threshold)
+    assert [names[id(m)] for m in marked] == expected
+    assert [names[id(m)] for m in get_z3_leaf_modules(model)] == sorted(expected)
+    assert ("smallest granularity is 8" in caplog.text) == (threshold == 7)

@@ -174,7 +174,9 @@ def configure(mpu_: Any = None, deepspeed_config: str | os.PathLike[str] | Mappi
         profile: log the time of each checkpointed forward and recomputation.
 
     Raises:
-        ConfigError: the config's block is invalid (naming the key), or ``mpu_`` lacks the methods.
+        ConfigError: the config's block is invalid (naming the key), ``mpu_`` lacks the methods, or
+            contiguous checkpointing is asked for without partitioned activations or the number of
+            layers (as DeepSpeed refuses).
     """
     if mpu_ is not None:
         _Holder.mpu = mpu_
@@ -188,7 +190,24 @@ def configure(mpu_: Any = None, deepspeed_config: str | os.PathLike[str] | Mappi
     except ValidationError as exc:
         raise ConfigError(f"invalid configure() argument: {exc.errors()[0]['msg']}",
                           key=f"activation_checkpointing.{exc.errors()[0]['loc'][0]}") from None
+    _refuse_contiguous_alone(block)
     _install(_settings(block, _Holder.mpu), explicit=True)
+
+
+def _refuse_contiguous_alone(block: ActivationCheckpointingConfig) -> None:
+    """What DeepSpeed's ``configure()`` refuses, though zeroshard would ignore the setting: contiguous
+    checkpointing without partitioned activations, or without the number of layers (a script that
+    works here must work on DeepSpeed). Its ``initialize`` never checks the config block; neither do we."""
+    if not block.contiguous_memory_optimization:
+        return
+    if not block.partition_activations:
+        raise ConfigError("contiguous checkpointing is only available with partitioned activations: pass "
+                          "partition_activations=True too (DeepSpeed refuses it alone)",
+                          key="activation_checkpointing.partition_activations")
+    if block.number_checkpoints is None:
+        raise ConfigError("contiguous checkpointing needs the number of layers: pass num_checkpoints (or set "
+                          "activation_checkpointing.number_checkpoints; DeepSpeed refuses it without)",
+                          key="activation_checkpointing.number_checkpoints")
 
 
 def set_num_layers(nlayers: int) -> None:

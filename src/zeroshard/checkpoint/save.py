@@ -49,6 +49,7 @@ from zeroshard.checkpoint.rng import capture_rng
 from zeroshard.checkpoint.safetensors_io import TensorSpec, write_safetensors
 from zeroshard.checkpoint.tags import agree_on_tag, check_tag, write_recovery_script
 from zeroshard.comm import collectives as C
+from zeroshard.errors import ConfigError
 
 logger = logging.getLogger("zeroshard")
 
@@ -148,6 +149,8 @@ def _describe(engine: Any, tag: str, world: int, trained: list[collect.TrainedPa
 def save_checkpoint(engine: Any, save_dir: str | Path, tag: str | None = None, client_state: Any = None,
                     save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
     """Save ``engine`` to ``save_dir/<tag>`` (collective: call on every rank). See the module doc."""
+    if not save_dir:  # "" would save into the working directory, None fail deep in pathlib: DeepSpeed refuses both
+        raise ConfigError(f"save_checkpoint needs a non-empty directory path, got {save_dir!r}", key="save_dir")
     group = engine.group
     rank, world = C.rank(group), C.world_size(group)
     wanted = agree_on_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}", group,

@@ -98,7 +98,6 @@ DEEPSPEED_ONLY: dict[str, Any] = {
     "sparse_gradients": False,
     "graph_harvesting": False,
     "disable_allgather": False,
-    "gradient_allreduce_op": "mean",
     "seq_parallel_communication_data_type": None,
     "sequence_parallel_size": 1,
     "use_data_before_expert_parallelism": False,
@@ -124,12 +123,10 @@ DEEPSPEED_ONLY: dict[str, Any] = {
     # saving it; zeroshard re-gathers it for every layer without patching anything, and false (leave
     # F.linear alone) is what it does too (DeepSpeed-Chat's configs all say false): either value.
     _Z + "memory_efficient_linear": ANY_VALUE,
-    _Z + "pipeline_loading_checkpoint": False,
     _Z + "override_module_apply": True,
     _Z + "log_trace_cache_warnings": False,
     _Z + "enable_sanity_checks": False,
     _Z + "save_muon_momentum_buffer_in_memory": False,
-    _Z + "stage3_module_granularity_threshold": 0,
     _Z + "stage3_use_all_reduce_for_fetch_params": False,
     _Z + "stage3_allgather_sequential": False,
     # NVMe swapping is always pipelined (read ahead, write behind): either value describes it.

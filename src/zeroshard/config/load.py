@@ -95,7 +95,13 @@ def _check_consistency(cfg: ZeroshardConfig) -> None:
     """Cross-key checks that a single field's validation cannot express."""
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one", key=None)
+    if cfg.bf16.enabled and not cfg.bf16.check_grad_overflow and cfg.non_finite_gradients == "raise":
+        raise ConfigError("bf16.check_grad_overflow false applies steps with NaN or Inf gradients, and "
+                          "non_finite_gradients 'raise' stops at them: choose one", key="bf16.check_grad_overflow")
     zero = cfg.zero_optimization
+    if cfg.gradient_allreduce_op == "sum" and zero.stage == 3:
+        raise ConfigError("gradient_allreduce_op 'sum' is not supported with ZeRO stage 3 (as in DeepSpeed): "
+                          "use 'mean', or stage 0-2", key="gradient_allreduce_op")
     if zero.offload_optimizer.ratio < 1.0 and zero.stage != 3:
         raise ConfigError(
             f"partial optimizer offload (ratio {zero.offload_optimizer.ratio}) requires ZeRO stage 3, "

@@ -65,6 +65,7 @@ CONSUMERS: dict[str, str] = {
     _Z + "stage3_max_live_parameters": "initialize.py",
     _Z + "stage3_prefetch_bucket_size": "initialize.py",
     _Z + "stage3_param_persistence_threshold": "initialize.py",
+    _Z + "stage3_module_granularity_threshold": "initialize.py",
     _Z + "ignore_unused_parameters": "engine_api/training.py",
     _Z + "leaf_module.classes": "stages/units.py",
     _Z + "leaf_module.names": "stages/units.py",
@@ -77,11 +78,13 @@ CONSUMERS: dict[str, str] = {
     "dataloader_drop_last": "initialize.py",
     "wall_clock_breakdown": "engine.py",
     "non_finite_gradients": "engine.py",
+    "bf16.check_grad_overflow": "initialize.py",
     "collective_timeout": "initialize.py",
     "dump_state": "initialize.py",
     "memory_breakdown": "engine_api/training.py",
     "prescale_gradients": "initialize.py",
     "gradient_predivide_factor": "initialize.py",
+    "gradient_allreduce_op": "initialize.py",
     "communication_data_type": "config/schema.py",
     "data_types.grad_accum_dtype": "config/schema.py",
     "checkpoint.tag_validation": "checkpoint/tags.py",
@@ -131,8 +134,8 @@ CONSUMERS: dict[str, str] = {
 """Key path -> the module (under ``src/zeroshard``) that reads it."""
 
 NO_EFFECT: dict[str, str] = {
-    "bf16.check_grad_overflow": ("a step whose gradient norm is NaN or Inf is always skipped (or raises, "
-                                 "non_finite_gradients); false, which in DeepSpeed applies it, is not offered"),
+    _Z + "pipeline_loading_checkpoint": ("each rank reads only the ranges it owns and nothing is gathered, so "
+                                         "loading holds one shard in host memory without the ranks taking turns"),
     _Z + "contiguous_gradients": "gradients always go to flat contiguous buckets",
     _Z + "reduce_scatter": "gradients are always reduce-scattered at stages 1-3 (all-reduced at stage 0)",
     _Z + "allgather_partitions": "updated shards are always all-gathered, never broadcast one by one",

@@ -53,9 +53,10 @@ class BF16Config(ConfigModel):
     inputs by default); DeepSpeed has no such key for bf16."""
 
     check_grad_overflow: bool = True
-    """Skip the optimizer step when the gradient norm is NaN or Inf (DeepSpeed's default, True). zeroshard
-    always checks (``non_finite_gradients`` chooses skip or raise): ``false``, which in DeepSpeed applies
-    such a step, changes nothing here and draws a warning."""
+    """Skip the optimizer step when the gradient norm is NaN or Inf (DeepSpeed's default, True;
+    ``non_finite_gradients`` chooses skip or raise). ``false`` applies such a step, as DeepSpeed does:
+    the parameters then hold NaN or Inf (``initialize`` warns; ``non_finite_gradients: raise`` beside it
+    is an error)."""
 
 
 class DataTypesConfig(ConfigModel):

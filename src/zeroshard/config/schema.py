@@ -97,6 +97,16 @@ class ZeroshardConfig(ConfigModel):
     gradient_predivide_factor: Float = Field(default=1.0, gt=0)
     """Divide gradients by this factor before reduction and by world_size/factor after it."""
 
+    gradient_allreduce_op: Literal["mean", "sum"] = "mean"
+    """How gradients combine across the data-parallel ranks: their ``mean`` (the default), or their
+    ``sum`` with no division at all (``prescale_gradients`` and ``gradient_predivide_factor`` then do
+    nothing, as in DeepSpeed; for a loss summed, not averaged, over the global batch). Stages 0-2."""
+
+    @field_validator("gradient_allreduce_op", mode="before")
+    @classmethod
+    def _op_lower_case(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value  # DeepSpeed accepts "SUM", "Mean"
+
     communication_data_type: DTypeName | None = None
     """Dtype of gradient reduction (fp32, fp16, bf16); None: the gradient accumulation dtype."""
 

@@ -145,6 +145,14 @@ class ZeroConfig(ConfigModel):
     stage3_param_persistence_threshold: Int = Field(default=100_000, ge=0)
     """Stage 3: parameters with fewer elements than this stay unpartitioned."""
 
+    stage3_module_granularity_threshold: Int = Field(default=0, ge=0)
+    """Stage 3: modules whose parameters per layer (their own and their descendants', over the number
+    of those modules with parameters) are at most this many elements are gathered whole, as leaves
+    (DeepSpeed's meaning): fewer, larger collectives for blocks of small layers. 0: none."""
+
+    pipeline_loading_checkpoint: bool = False
+    """Stage 3 in DeepSpeed: the local ranks load a checkpoint one after another, to bound host memory."""
+
     stage3_model_persistence_threshold: Int = Field(default=sys.maxsize, ge=0)
     """Stage 3: cap on the total number of elements kept unpartitioned by the persistence threshold."""
 

@@ -139,11 +139,13 @@ class ParamUnit:
     def adopt(self) -> None:
         """Take over the unit's parameters once its shard holds their values: placeholders from now
         on. The module's full tensors are the caller's: dropped, not freed under it."""
-        for p, shape, layout in zip(self.params, self.shapes, self.bucket.layouts):
+        for p, shape, layout, off in zip(self.params, self.shapes, self.bucket.layouts, self.bucket.offsets):
             setattr(p, UNIT_ATTR, self)
             setattr(p, SHAPE_ATTR, shape)
             tag_deepspeed(p, shape, layout.world)  # ``hasattr(p, "ds_id")``: how scripts tell a ZeRO-3 parameter
             p.ds_persist = self.persistent  # type: ignore[attr-defined]  # DeepSpeed's: never released
+            if self.shard is not None:  # DeepSpeed's name for this rank's (padded) partition; a view
+                p.ds_tensor = self.shard.narrow(0, off, layout.shard_numel)  # type: ignore[attr-defined]
             if hasattr(p, INIT_CHUNK_ATTR):
                 delattr(p, INIT_CHUNK_ATTR)  # a zero.Init chunk, copied into (or adopted as) the shard
         self.state = UnitState.GATHERED

@@ -11,12 +11,14 @@ Mixtral, Qwen2-MoE and Qwen3-MoE sparse blocks.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
 from zeroshard.config.zero import DEFAULT_LEAF_MODULE_CLASSES
+from zeroshard.partition import full_numel
 
 logger = logging.getLogger("zeroshard")
 
@@ -89,6 +91,56 @@ def apply_leaf_module_config(model: torch.nn.Module, leaf: Any) -> list[torch.nn
     if not marked and tuple(leaf.classes) != DEFAULT_LEAF_MODULE_CLASSES:
         logger.warning("zeroshard: zero_optimization.leaf_module: no module of the classes %s", leaf.classes)
     return list(marked.values())
+
+
+def mark_fine_grained_leaves(model: torch.nn.Module, threshold: int) -> list[torch.nn.Module]:
+    """DeepSpeed's ``stage3_module_granularity_threshold``: mark as leaves, parents first, the modules
+    whose granularity (elements of their subtree's parameters per layer, the module and its
+    descendants with parameters counted as layers) is at most ``threshold``, so that a block of many
+    small layers is gathered in one collective instead of one per layer. Containers
+    (``ModuleList``...), modules without children and subtrees above 1e9 elements are never marked,
+    as in DeepSpeed. ``0`` marks nothing. Returns the modules marked."""
+    if threshold <= 0:
+        return []
+    granularity: dict[int, float] = {}
+
+    def measure(m: torch.nn.Module) -> tuple[int, int]:
+        """(layers, elements) of ``m``'s subtree; records ``m``'s granularity."""
+        if not any(True for _ in m.parameters()):
+            return 0, 0  # no parameters (an activation): not a layer
+        own = sum(full_numel(p) for p in m.parameters(recurse=False))
+        children = list(m.children())
+        if not children:
+            return 1, own
+        layers, numel = 0, own
+        for child in children:
+            child_layers, child_numel = measure(child)
+            layers, numel = layers + child_layers, numel + child_numel
+        if type(m).__name__ in torch.nn.modules.container.__all__:
+            return layers, numel
+        layers += 1
+        if numel <= 1e9:
+            granularity[id(m)] = numel // layers
+        return layers, numel
+
+    measure(model)
+    marked: list[torch.nn.Module] = []
+
+    def mark(m: torch.nn.Module) -> None:
+        if not any(True for _ in m.parameters()):
+            return
+        if granularity.get(id(m), math.inf) <= threshold:
+            setattr(m, _LEAF_ATTR, True)
+            marked.append(m)
+            return
+        for child in m.children():
+            mark(child)
+
+    mark(model)
+    if not marked and granularity:
+        logger.warning("zeroshard: zero_optimization.stage3_module_granularity_threshold %d marks no module: the "
+                       "smallest granularity is %d", threshold, min(granularity.values()))
+    return marked
 
 
 def is_leaf(module: torch.nn.Module) -> bool:

@@ -78,6 +78,9 @@ class StageSpec:
     prefetch_bucket_size: int = 50_000_000
     #: ZeRO-3 only: units with at most this many elements stay gathered all the time.
     param_persistence_threshold: int = 100_000
+    #: a step whose gradient norm is NaN or Inf is skipped (False: applied, bf16's
+    #: ``check_grad_overflow: false`` as in DeepSpeed; fp16's loss scaling always checks)
+    skip_non_finite: bool = True
 
 
 def _copy_range(target: torch.Tensor, a: int, b: int, values: torch.Tensor) -> None:
@@ -317,7 +320,7 @@ class ZeroOptimizer:
         if self.scaler.scale != 1.0:
             torch._foreach_mul_(g32, 1.0 / self.scaler.scale)
         norm = self._global_norm(g32)
-        self.overflow = not math.isfinite(norm)
+        self.overflow = not math.isfinite(norm) and self.spec.skip_non_finite
         self.nonfinite_param = self._first_nonfinite(g32) if self.overflow else None
         if self.overflow:
             self.sync.zero()
