@@ -143,7 +143,7 @@ def _note_no_effect(s: Settings) -> None:
         logger.info("zeroshard: activation_checkpointing.contiguous_memory_optimization and number_checkpoints are "
                     "accepted without effect: on an accelerator torch's caching allocator reuses the freed blocks; "
                     "on CPU, inputs copied out of the heap did not lower the peak, glibc's mmap threshold did "
-                    "(README, 'Memory')")
+                    "(docs/memory.md)")
     if s.partition_activations and not s.partitions:
         logger.warning("zeroshard: activation_checkpointing.partition_activations has no effect without a "
                        "model-parallel group of several ranks (pass mpu to zeroshard.checkpointing.configure): "

@@ -109,7 +109,7 @@ def _launcher_type(value: str) -> str:
         raise argparse.ArgumentTypeError(
             f"{value!r} is not supported by zeroshard launch (it starts hosts with {' or '.join(LAUNCHERS)}); "
             "under Slurm or MPI, run 'zeroshard launch --nnodes N --node_rank R --master_addr ...' once per node "
-            "(README: Launching on several machines)"
+            "(docs/launching.md)"
         )
     raise argparse.ArgumentTypeError(f"expected one of {', '.join(LAUNCHERS)}, got {value!r}")
 

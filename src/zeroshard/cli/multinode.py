@@ -46,7 +46,7 @@ EXPORT_PREFIXES = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL", "ZEROSHARD")
 LOCAL_ONLY = frozenset({"ZEROSHARD_LAUNCH_ATTEMPT"})
 LAUNCHERS = ("ssh", "pdsh")
 #: DeepSpeed's other ``--launcher`` values: jobs for them are started with ``srun``/``mpirun``
-#: around a per-node ``zeroshard launch`` instead (README, "Launching on several machines").
+#: around a per-node ``zeroshard launch`` instead (docs/launching.md).
 UNSUPPORTED_LAUNCHERS = ("openmpi", "mpich", "impi", "mvapich", "slurm")
 PDSH_FAN_OUT = 1024
 KILL_WAIT_S = 15.0

@@ -94,7 +94,7 @@ class ActivationCheckpointingConfig(ConfigModel):
     """Accepted without effect: on an accelerator torch's caching allocator reuses freed blocks, so
     there is no fragmentation for DeepSpeed's contiguous buffer to avoid. On CPU, copying the held
     inputs into buffers of their own did not lower a rank's peak RSS (measured); fixing glibc's
-    mmap threshold did (README, "Memory")."""
+    mmap threshold did (docs/memory.md)."""
 
     number_checkpoints: Int | None = Field(default=None, gt=0)
     """Accepted without effect: it only sizes DeepSpeed's contiguous buffer."""

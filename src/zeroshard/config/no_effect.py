@@ -141,7 +141,8 @@ NO_EFFECT: dict[str, str] = {
     _Z + "allgather_partitions": "updated shards are always all-gathered, never broadcast one by one",
     _Z + "round_robin_gradients": ("with optimizer offload each rank moves only its own reduced gradient shard "
                                    "to the host; there is nothing to spread over ranks"),
-    _Z + "stage3_max_reuse_distance": "subsumed by stage3_max_live_parameters, an LRU budget (see README)",
+    _Z + "stage3_max_reuse_distance": ("subsumed by stage3_max_live_parameters, an LRU budget "
+                                       "(docs/deepspeed-differences.md)"),
     _Z + "stage3_model_persistence_threshold": ("only stage3_param_persistence_threshold decides which units "
                                                 "stay gathered; their total is not capped"),
     _Z + "elastic_checkpoint": "every checkpoint reloads at any world size and stage",
@@ -151,7 +152,7 @@ NO_EFFECT: dict[str, str] = {
                                       "host memory holds only the read buffers (buffer_count x buffer_size)"),
     "activation_checkpointing.contiguous_memory_optimization": ("torch's caching allocator reuses the freed "
                                                                 "blocks on an accelerator; on CPU see the "
-                                                                "README's allocator setting ('Memory')"),
+                                                                "allocator setting in docs/memory.md"),
     "activation_checkpointing.number_checkpoints": "only sizes DeepSpeed's contiguous buffer (see the key above)",
     "zero_allow_untested_optimizer": ("any elementwise torch optimizer steps on the shard; the ones known to read "
                                       "a parameter's shape are refused whatever its value"),

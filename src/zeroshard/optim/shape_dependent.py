@@ -14,7 +14,7 @@ zeroshard says so instead.
 The check knows these optimizers by the names of the classes in their MRO (families by a part of
 the name: ``lamb`` catches bitsandbytes' ``LAMB8bit`` and apex's ``FusedLamb``), so subclasses and
 the same optimizers from transformers, timm, apex, torch-optimizer or bitsandbytes are caught too.
-An optimizer it does not know is the caller's to vouch for (the README says what "elementwise"
+An optimizer it does not know is the caller's to vouch for (docs/deepspeed-differences.md says what "elementwise"
 means here).
 """
 
