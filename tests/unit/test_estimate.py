@@ -816,3 +816,16 @@ def test_estimate_keeps_a_different_config_already_at_the_output_path(tmp_path: 
     written = out.read_text()
     code, _, err = _estimate_cli(*args)  # what it would write anyway
     assert code == 0 and out.read_text() == written, err
+
+
+def test_estimate_prints_the_config_unless_told_where_to_write_it(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without -o nothing is written (the working directory is often the user's project, holding
+    their own ds_config.json): the chosen config is printed, as JSON that loads."""
+    monkeypatch.chdir(tmp_path)
+    code, text, err = _estimate_cli("--params", "1e9", "--gpus", "8", "--gpu-memory", "80GB")
+    assert code == 0, err
+    assert not list(tmp_path.iterdir()) and "wrote" not in text
+    printed = text[text.index("\n{", text.index("chosen: ZeRO stage")) + 1:]
+    config = load_config(json.loads(printed), world_size=8)
+    assert f"chosen: ZeRO stage {config.zero_stage}" in text

@@ -8,8 +8,8 @@ the meta device, so no weight is allocated. The table shows model states, buffer
 (for transformer configs) with and without activation checkpointing, CPU memory and NVMe swap
 files per node, for each stage with and without optimizer and parameter offload. With
 ``--gpu-memory`` the fastest configuration that fits (without offload, else with CPU offload,
-else, given ``--nvme-gb``, with NVMe offload under ``--nvme-path``) is written as a DeepSpeed
-config (``-o``, default ``ds_config.json``); when none fits the command says why and exits with 1.
+else, given ``--nvme-gb``, with NVMe offload under ``--nvme-path``) is printed as a DeepSpeed
+config, or written to ``-o PATH``; when none fits the command says why and exits with 1.
 Bad arguments exit with 2 and a message naming them.
 """
 
@@ -72,9 +72,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                         "chosen plan offloads to NVMe)")
     p.add_argument("--headroom", type=float, default=0.1, metavar="F",
                    help="fraction of GPU memory kept free for the CUDA context and fragmentation (default 0.1)")
-    p.add_argument("-o", "--output", default="ds_config.json", metavar="PATH",
-                   help="where the chosen config goes (default ds_config.json; a different file already there "
-                        "is kept unless --force)")
+    p.add_argument("-o", "--output", default=None, metavar="PATH",
+                   help="write the chosen config to PATH (a different file already there is kept unless "
+                        "--force); without it the config is printed")
     p.add_argument("--force", action="store_true", help="replace an existing --output file")
     p.add_argument("--deepspeed", action="store_true",
                    help="also print DeepSpeed's own estimator tables (estimate_zero2/3_..._all_cold)")
@@ -194,10 +194,14 @@ def main(argv: Sequence[str], prog: str = "zeroshard estimate") -> int:
     except PlanError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 1
-    out = Path(args.output)
     text = json.dumps(chosen.config, indent=2) + "\n"
+    if args.output is None:  # nothing written unless asked: the working directory is often the user's project
+        print(render_plan(chosen, None))
+        print(text, end="")
+        return 0
+    out = Path(args.output)
     if out.is_file() and not args.force and out.read_text(errors="replace") != text:
-        # A user's own ds_config.json is what the default name most often points at.
+        # -o often names the user's own ds_config.json: never overwritten by surprise.
         print(render_plan(chosen, None))
         print(f"{prog}: error: {out} exists and holds another config: kept. Pass -o PATH to write the chosen "
               "config elsewhere, or --force to replace it", file=sys.stderr)
