@@ -252,3 +252,28 @@ def test_ds_tensor_is_this_ranks_partition() -> None:
                 mine = flat[rank * k : (rank + 1) * k]
                 assert torch.equal(part[: mine.numel()].to(flat.dtype), mine), (rank, precision, name)
                 assert not part[mine.numel():].any(), (rank, precision, name)  # the padding
+
+
+def _init_status(rank: int, world: int) -> dict[str, Any]:
+    from zeroshard.zero.param_status import ZeroParamStatus as S
+
+    with zeroshard.zero.Init():
+        layer = torch.nn.Linear(4, 3)
+    seen = [layer.weight.ds_status == S.NOT_AVAILABLE, layer.weight.numel() == 0,
+            layer.weight.ds_tensor.numel() == 6]  # 12 elements over 2 ranks
+    with zeroshard.zero.GatheredParameters(layer.weight, modifier_rank=1):
+        seen += [layer.weight.ds_status == S.AVAILABLE, layer.weight.shape == (3, 4)]
+        if rank == 1:
+            with torch.no_grad():
+                layer.weight.zero_()
+    seen.append(layer.weight.ds_status == S.NOT_AVAILABLE)
+    with zeroshard.zero.GatheredParameters(layer.weight):
+        seen.append(bool((layer.weight == 0).all()))  # rank 1's change reached every rank
+    return {"seen": seen, "outside": not hasattr(torch.nn.Linear(4, 3).weight, "ds_status")}
+
+
+def test_zero_init_parameters_carry_deepspeeds_status() -> None:
+    """DeepSpeed's TestScatterGather / TestGatherUpdate: ``ds_status`` and ``ds_tensor`` from the end of
+    the block, AVAILABLE inside GatheredParameters, and a modifier rank's change kept."""
+    for rank, result in enumerate(run_distributed(_init_status, WORLD, timeout=60)):
+        assert all(result["seen"]) and result["outside"], (rank, result)

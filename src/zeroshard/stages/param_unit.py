@@ -146,6 +146,8 @@ class ParamUnit:
             p.ds_persist = self.persistent  # type: ignore[attr-defined]  # DeepSpeed's: never released
             if self.shard is not None:  # DeepSpeed's name for this rank's (padded) partition; a view
                 p.ds_tensor = self.shard.narrow(0, off, layout.shard_numel)  # type: ignore[attr-defined]
+            elif hasattr(p, "ds_tensor"):  # in the swap file: zero.Init's chunk must not stay alive through it
+                del p.ds_tensor  # type: ignore[attr-defined]
             if hasattr(p, INIT_CHUNK_ATTR):
                 delattr(p, INIT_CHUNK_ATTR)  # a zero.Init chunk, copied into (or adopted as) the shard
         self.state = UnitState.GATHERED

@@ -27,6 +27,7 @@ from zeroshard.errors import ConfigError
 from zeroshard.partition import INIT_CHUNK_ATTR as SHARD_ATTR
 from zeroshard.partition import SHAPE_ATTR, ShardLayout, full_shape
 from zeroshard.zero.lazy_shard import InitSession, LazyShardTensor, ShardCore
+from zeroshard.zero.param_status import ZeroParamStatus
 
 logger = logging.getLogger("zeroshard")
 
@@ -145,6 +146,7 @@ class Init:
                 setattr(real, SHARD_ATTR, core.chunk)
                 setattr(real, SHAPE_ATTR, core.shape)
                 tag_deepspeed(real, core.shape, self._session.world)
+                real.ds_tensor = core.chunk  # type: ignore[attr-defined]  # this rank's elements (no padding yet)
                 converted[id(lazy.core)] = real
             module._parameters[name] = converted[id(lazy.core)]
         del self._created[first:]
@@ -179,7 +181,7 @@ def outside_init() -> Iterator[None]:
 
 #: DeepSpeed's attributes of a partitioned parameter, which Hugging Face code reads (``ds_numel`` in the
 #: Trainer's parameter count, ``hasattr(p, "ds_id")`` as a ZeRO-3 test).
-_DS_ATTRS = ("ds_id", "ds_numel", "ds_shape", "ds_status", "partition_numel", "ds_active_sub_modules")
+_DS_ATTRS = ("ds_id", "ds_numel", "ds_shape", "ds_status", "partition_numel", "ds_active_sub_modules", "ds_tensor")
 #: ``ds_id`` is unique over the process, as DeepSpeed's (code keys tied weights by it): one counter for all blocks.
 _ds_ids = itertools.count()
 
@@ -192,6 +194,8 @@ def tag_deepspeed(p: torch.nn.Parameter, shape: torch.Size, world: int) -> None:
         p.ds_id = next(_ds_ids)  # type: ignore[attr-defined]
     if not hasattr(p, "ds_active_sub_modules"):  # DeepSpeed's; TRL clears it before generating
         p.ds_active_sub_modules = set()  # type: ignore[attr-defined]
+    if not hasattr(p, "ds_status"):  # partitioned; a ZeRO-3 unit keeps it up to date from then on
+        p.ds_status = ZeroParamStatus.NOT_AVAILABLE  # type: ignore[attr-defined]
     p.ds_shape = torch.Size(shape)  # type: ignore[attr-defined]
     p.ds_numel = int(torch.Size(shape).numel())  # type: ignore[attr-defined]
     # a partial of int, not a lambda: it is called like DeepSpeed's method and still pickles with the parameter
@@ -267,10 +271,12 @@ class InitPartitioned:
         def enter() -> None:
             for p in params:
                 p.data = _gather_chunk(p, self.group)
+                p.ds_status = ZeroParamStatus.AVAILABLE  # type: ignore[attr-defined]
 
         def exit_() -> None:
             for p in params:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                p.ds_status = ZeroParamStatus.NOT_AVAILABLE  # type: ignore[attr-defined]
             # Return the freed full tensors' heap pages, as zero.Init does: transformers gathers
             # module by module, and the heap would otherwise keep about the whole model after
             # loading (measured: about 110 MiB of a 222 MiB model per rank, see
