@@ -33,6 +33,11 @@ class NotYetSupportedError(ConfigError):
     """A DeepSpeed feature that zeroshard will support but does not yet: never silently ignored."""
 
 
+class UnusedParametersError(ConfigError, AssertionError):
+    """Trainable parameters got no gradient in an accumulation window (``ignore_unused_parameters:
+    false``). Also an ``AssertionError``, the type DeepSpeed raises there, for scripts that catch it."""
+
+
 class CheckpointError(ZeroshardError):
     """A checkpoint that is missing, incomplete, corrupt, or unsafe to load."""
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from zeroshard.comm import collectives as C
 from zeroshard.config.schema import ZeroshardConfig
-from zeroshard.errors import ConfigError, NotYetSupportedError, ZeroshardError
+from zeroshard.errors import ConfigError, NotYetSupportedError, UnusedParametersError, ZeroshardError
 
 logger = logging.getLogger("zeroshard")
 
@@ -322,9 +322,10 @@ class TrainingAPI:
         if not names:
             return
         shown = _listed(names, 10)
-        raise ConfigError(f"{len(names)} trainable parameter(s) got no gradient on any rank in this accumulation "
-                          f"window: {shown}. Use them in the forward, freeze them (requires_grad=False), or set "
-                          "ignore_unused_parameters to true", key="zero_optimization.ignore_unused_parameters")
+        raise UnusedParametersError(
+            f"{len(names)} trainable parameter(s) got no gradient on any rank in this accumulation window: {shown}. "
+            "Use them in the forward, freeze them (requires_grad=False), or set ignore_unused_parameters to true",
+            key="zero_optimization.ignore_unused_parameters")
 
     def _check_stray_gradients(self) -> None:
         """A trained parameter still holding a ``.grad`` at the step: a backward outside
