@@ -124,6 +124,16 @@ def _check_consistency(cfg: ZeroshardConfig) -> None:
             )
 
 
+def normalize_deepspeed_spellings(raw: dict[str, Any]) -> None:
+    """DeepSpeed's other spellings of a config, in place: dotted top-level keys dropped (with a
+    warning), aliases renamed, deprecated offload switches turned into blocks, and DeepSpeed-only
+    keys at their "off" values dropped (active ones refused: ``NotYetSupportedError``)."""
+    drop_dotted_keys(raw, ZeroshardConfig)
+    normalize_aliases(raw)
+    convert_deprecated_offload(raw)
+    reject_deepspeed_only(raw)
+
+
 def load_config(
     config: ConfigSource,
     world_size: int,
@@ -157,10 +167,7 @@ def load_config(
         raw = config.model_dump()
     else:
         raw = read_config(config)
-    drop_dotted_keys(raw, ZeroshardConfig)
-    normalize_aliases(raw)
-    convert_deprecated_offload(raw)
-    reject_deepspeed_only(raw)
+    normalize_deepspeed_spellings(raw)
     autos = normalize_auto_values(ZeroshardConfig, auto_values)
     auto_keys, batch_autos = resolve_autos(raw, ZeroshardConfig, autos)
     try:

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from zeroshard.config.fields import ConfigModel, Float, Int
 
@@ -129,6 +129,11 @@ class ZeroConfig(ConfigModel):
 
     offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
     """Parameter offload settings, stage 3 only (DeepSpeed's None is represented as ``device: none``)."""
+
+    @field_validator("offload_optimizer", "offload_param", mode="before")
+    @classmethod
+    def _null_is_no_offload(cls, value: object) -> object:
+        return {} if value is None else value  # DeepSpeed's default for both blocks is null
 
     sub_group_size: Int = Field(default=1_000_000_000, ge=0)
     """Number of parameter elements per optimizer-step tile (stage 3 offload / ZeRO-Infinity)."""

@@ -1,0 +1,58 @@
+"""DeepSpeed's ``runtime.zero.config`` objects, answered from zeroshard's config (one process).
+
+The cases are DeepSpeed's own (tests/unit/runtime/zero/test_zero_config.py), which build its
+``DeepSpeedZeroConfig`` to read a block as the engine will; a ``null`` offload block is also what
+DeepSpeed's schema allows in a config file, and zeroshard's loading now reads it as no offload.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from zeroshard.compat.ds_zero_config import (
+    DeepSpeedZeroConfig,
+    DeepSpeedZeroOffloadOptimizerConfig,
+    DeepSpeedZeroOffloadParamConfig,
+)
+from zeroshard.config import load_config
+from zeroshard.errors import ConfigError
+
+
+def test_deprecated_and_alias_fields_read_by_deepspeeds_names() -> None:
+    assert isinstance(DeepSpeedZeroConfig(cpu_offload_param=True).offload_param, DeepSpeedZeroOffloadParamConfig)
+    assert isinstance(DeepSpeedZeroConfig(cpu_offload=True).offload_optimizer, DeepSpeedZeroOffloadOptimizerConfig)
+    assert DeepSpeedZeroConfig(stage3_gather_fp16_weights_on_model_save=True).gather_16bit_weights_on_model_save
+    assert DeepSpeedZeroConfig(stage3_prefetch_bucket_size=12345).prefetch_bucket_size == 12345
+    assert DeepSpeedZeroConfig(stage3_param_persistence_threshold=12345).param_persistence_threshold == 12345
+    assert DeepSpeedZeroConfig(stage3_max_reuse_distance=12345).max_reuse_distance == 12345
+
+
+def test_stage_dependent_defaults_and_offload_blocks() -> None:
+    assert [DeepSpeedZeroConfig(stage=s).overlap_comm for s in range(4)] == [False, False, False, True]
+    assert not DeepSpeedZeroConfig(stage=2).pipeline_loading_checkpoint
+    for given in ({}, {"offload_param": None, "offload_optimizer": None}):
+        c = DeepSpeedZeroConfig(**given)
+        assert c.offload_param is None and c.offload_optimizer is None
+    c = DeepSpeedZeroConfig(offload_param={}, offload_optimizer={})
+    assert c.offload_param.device == "none" and c.offload_optimizer.device == "none"  # type: ignore[union-attr]
+    assert not DeepSpeedZeroOffloadOptimizerConfig().pipeline
+    assert DeepSpeedZeroOffloadOptimizerConfig(pipeline_read=True).pipeline
+    assert DeepSpeedZeroOffloadOptimizerConfig(pipeline_write=True).pipeline
+
+
+def test_leaf_module_strings_and_bad_values() -> None:
+    c = DeepSpeedZeroConfig(leaf_module={"classes": "my.Class", "names": "sub", "name_suffixes": "tail"})
+    assert (c.leaf_module.classes, c.leaf_module.names, c.leaf_module.name_suffixes) == (["my.Class"], ["sub"],
+                                                                                          ["tail"])
+    with pytest.raises(ConfigError) as e:
+        DeepSpeedZeroConfig(stage=7)
+    assert e.value.key == "zero_optimization.stage"
+    with pytest.raises(AttributeError, match="no_such_thing"):
+        _ = DeepSpeedZeroConfig().no_such_thing
+
+
+def test_null_offload_blocks_in_a_config_file() -> None:
+    cfg = load_config({"train_batch_size": 2, "zero_optimization": {"stage": 2, "offload_optimizer": None,
+                                                                     "offload_param": None}}, world_size=1)
+    assert cfg.zero_optimization.offload_optimizer.device == "none"
+    assert cfg.zero_optimization.offload_param.device == "none"
