@@ -56,3 +56,11 @@ def test_null_offload_blocks_in_a_config_file() -> None:
                                                                      "offload_param": None}}, world_size=1)
     assert cfg.zero_optimization.offload_optimizer.device == "none"
     assert cfg.zero_optimization.offload_param.device == "none"
+
+
+def test_keys_of_features_zeroshard_lacks_read_back_as_given() -> None:
+    """The object reads a block (DeepSpeed's test_zeropp reads hpZ's size from it); initialize is what
+    refuses the feature while it is active."""
+    assert DeepSpeedZeroConfig(zero_hpz_partition_size=4).zero_hpz_partition_size == 4
+    with pytest.raises(ConfigError, match="zero_hpz_partition_size"):
+        load_config({"train_batch_size": 2, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 4}}, 1)

@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from zeroshard.config.compat import DEEPSPEED_ONLY
 from zeroshard.config.load import normalize_deepspeed_spellings
 from zeroshard.config.schema import ZeroshardConfig
 from zeroshard.config.validation import config_error_from_validation
@@ -69,6 +70,10 @@ class DeepSpeedZeroConfig:
 
     def __init__(self, **zero: Any) -> None:
         raw = {"zero_optimization": copy.deepcopy(zero)}
+        # Keys of DeepSpeed features zeroshard lacks (zero_hpz_partition_size...) are read back as given;
+        # initialize is what refuses them when active.
+        self._deepspeed_only = {k: raw["zero_optimization"].pop(k) for k in list(zero)
+                                if f"zero_optimization.{k}" in DEEPSPEED_ONLY}
         normalize_deepspeed_spellings(raw)  # cpu_offload: true gives an offload_optimizer block
         self._given: dict[str, Any] = copy.deepcopy(raw["zero_optimization"])
         try:  # the block alone, as DeepSpeed's object: no check across blocks or against the stage
@@ -91,6 +96,8 @@ class DeepSpeedZeroConfig:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
+        if name in self._deepspeed_only:
+            return self._deepspeed_only[name]
         try:
             return getattr(self._zero, _RENAMED.get(name, name))
         except AttributeError:
