@@ -42,6 +42,11 @@ class CheckpointError(ZeroshardError):
     """A checkpoint that is missing, incomplete, corrupt, or unsafe to load."""
 
 
+class TagMismatchError(CheckpointError, AssertionError):
+    """Ranks named different checkpoint tags under ``checkpoint.tag_validation: Fail``. Also an
+    ``AssertionError``, the type DeepSpeed raises there, for scripts that catch it."""
+
+
 class DistributedError(ZeroshardError, RuntimeError):
     """A problem with the process group or with shapes that would make a collective hang."""
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from zeroshard.checkpoint.atomic import write_file_atomic
 from zeroshard.checkpoint.paths import LATEST_FILE, plain_tag
 from zeroshard.comm import collectives as C
-from zeroshard.errors import CheckpointError
+from zeroshard.errors import CheckpointError, TagMismatchError
 
 logger = logging.getLogger("zeroshard")
 
@@ -72,7 +72,7 @@ def agree_on_tag(tag: str, group: dist.ProcessGroup | None, mode: str) -> str:
     message = (f"the checkpoint tag is not the same on all ranks (ranks {differ} differ from rank 0; this rank "
                f"has {tag!r}); a tag with rank-specific parts breaks restoring at another world size")
     if mode.upper() == "FAIL":
-        raise CheckpointError(f"{message}. checkpoint.tag_validation is 'Fail'")
+        raise TagMismatchError(f"{message}. checkpoint.tag_validation is 'Fail'")
     raw = torch.tensor(list(tag.encode()), dtype=torch.uint8, device=device)
     size = torch.tensor([raw.numel()], dtype=torch.int64, device=device)
     C.broadcast(size, src=0, group=group)
