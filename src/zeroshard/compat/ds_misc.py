@@ -6,7 +6,11 @@ ZeRO-3 state dict), ``deepspeed.launcher.runner.DEEPSPEED_ENVIRONMENT_NAME`` (th
 ``deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES`` (accelerate compares scheduler class names with it),
 ``deepspeed.compression.helper.recursive_getattr``/``recursive_setattr`` (DeepSpeed-Chat's LoRA code
 replaces submodules by dotted name with them), ``deepspeed.runtime.utils.see_memory_usage`` and
-``set_random_seed``.
+``set_random_seed``, ``deepspeed.utils.torch.required_torch_version`` (version gates in scripts and
+DeepSpeed's tests), ``deepspeed.runtime.zero.offload_config.OffloadDeviceEnum`` (the offload devices, for
+configs built in code), ``deepspeed.runtime.zero.leaf_module_config``'s defaults,
+``deepspeed.checkpoint.utils.get_model_ckpt_name_for_rank`` (the model file of a DeepSpeed checkpoint,
+as ``zeroshard convert --to deepspeed`` writes it) and ``deepspeed.runtime.swap_tensor.MIN_SWAPPABLE_BYTES``.
 """
 
 from __future__ import annotations
@@ -14,12 +18,15 @@ from __future__ import annotations
 import gc
 import os
 import random
+from enum import Enum
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.torch_version import TorchVersion
 
 from zeroshard.accelerator import CpuAccelerator, get_accelerator
+from zeroshard.config.zero import DEFAULT_LEAF_MODULE_CLASSES as _LEAF_CLASSES
 from zeroshard.optim import SUPPORTED_SCHEDULERS
 
 #: DeepSpeed reads ``$DS_ENV_FILE`` once, at import; so does this module.
@@ -110,3 +117,46 @@ def set_random_seed(seed: int) -> None:
     else:
         numpy.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def required_torch_version(min_version: float | str | None = None, max_version: float | str | None = None) -> bool:
+    """Whether the installed torch is at least ``min_version`` and at most ``max_version`` (PEP 440
+    order: ``2.13.0+cpu`` is above ``2.13``). Versions may be numbers, as DeepSpeed's callers pass them
+    (``min_version=1.8``; a number is read as it prints, so ``2.10`` is ``"2.1"``).
+
+    Raises:
+        AssertionError: neither bound given (DeepSpeed's error for it).
+    """
+    if not min_version and not max_version:
+        raise AssertionError("Must provide a min_version or max_version argument")
+    installed = TorchVersion(torch.__version__)
+    if min_version and installed < str(min_version):
+        return False
+    return not (max_version and installed > str(max_version))
+
+
+class OffloadDeviceEnum(str, Enum):
+    """DeepSpeed's offload devices (``offload_param.device``, ``offload_optimizer.device``); members are
+    the strings themselves, so they can stand in a config dict."""
+
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+#: DeepSpeed's default ``zero_optimization.leaf_module`` lists (zeroshard's config has the same defaults).
+DEFAULT_LEAF_MODULE_CLASSES: list[str] = list(_LEAF_CLASSES)
+DEFAULT_LEAF_MODULE_NAMES: list[str] = []
+DEFAULT_LEAF_MODULE_NAME_SUFFIXES: list[str] = []
+
+#: DeepSpeed swaps tensors of at least this many bytes to NVMe (1 MiB) and keeps smaller ones in memory.
+#: zeroshard's NVMe offload swaps whole buckets whatever the tensor sizes; the value is DeepSpeed's, for
+#: scripts that size a model by it.
+MIN_SWAPPABLE_BYTES = 1024**2
+
+
+def get_model_ckpt_name_for_rank(base_folder: str, mp_rank_str: str) -> str:
+    """The model-states file of model-parallel rank ``mp_rank_str`` (``"00"``) in the DeepSpeed checkpoint
+    directory ``base_folder``: ``base_folder/mp_rank_00_model_states.pt``. zeroshard writes these files
+    when converting to DeepSpeed's format; its own checkpoints have none."""
+    return os.path.join(base_folder, f"mp_rank_{mp_rank_str}_model_states.pt")

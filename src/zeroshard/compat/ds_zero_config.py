@@ -21,8 +21,7 @@ from zeroshard.config.schema import ZeroshardConfig
 from zeroshard.config.validation import config_error_from_validation
 from zeroshard.config.zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
-__all__ = ["DeepSpeedZeroConfig", "DeepSpeedZeroOffloadOptimizerConfig", "DeepSpeedZeroOffloadParamConfig",
-           "OffloadDeviceEnum"]
+__all__ = ["DeepSpeedZeroConfig", "DeepSpeedZeroOffloadOptimizerConfig", "DeepSpeedZeroOffloadParamConfig"]
 
 #: DeepSpeed's Python attribute -> zeroshard's field (the JSON key)
 _RENAMED = {
@@ -34,14 +33,6 @@ _RENAMED = {
     "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
     "module_granularity_threshold": "stage3_module_granularity_threshold",
 }
-
-
-class OffloadDeviceEnum:
-    """DeepSpeed's offload devices (a ``str`` enum there; its values are what configs hold)."""
-
-    none = "none"
-    cpu = "cpu"
-    nvme = "nvme"
 
 
 class DeepSpeedZeroOffloadOptimizerConfig(OffloadOptimizerConfig):

@@ -2,11 +2,13 @@
 
 ``logger`` and ``log_dist`` (:mod:`.logging`), the ``safe_get_full_*``/``safe_set_*``/``safe_get_local_*``
 accessors of sharded parameters, gradients and optimizer states (:mod:`.tensor_fragment`),
-``set_z3_leaf_modules`` (with ``unset_z3_leaf_modules``, ``z3_leaf_module``, ``get_z3_leaf_modules``) and
-``RepeatingLoader``.
+with ``safe_update_full_grad_vectorized``, ``set_z3_leaf_modules`` (with ``unset_z3_leaf_modules``,
+``z3_leaf_module``, ``get_z3_leaf_modules``, and by module name ``set_z3_leaf_modules_by_name``,
+``set_z3_leaf_modules_by_suffix``, :mod:`.leaf_modules`) and ``RepeatingLoader``.
 """
 
 from zeroshard.stages.units import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
+from zeroshard.utils.leaf_modules import set_z3_leaf_module, set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix
 from zeroshard.utils.logging import log_dist, logger
 from zeroshard.utils.repeating_loader import RepeatingLoader
 from zeroshard.utils.tensor_fragment import (
@@ -22,6 +24,7 @@ from zeroshard.utils.tensor_fragment import (
     safe_set_local_fp32_param,
     safe_set_local_grad,
     safe_set_local_optimizer_state,
+    safe_update_full_grad_vectorized,
 )
 
 __all__ = [
@@ -41,7 +44,11 @@ __all__ = [
     "safe_set_local_fp32_param",
     "safe_set_local_grad",
     "safe_set_local_optimizer_state",
+    "safe_update_full_grad_vectorized",
+    "set_z3_leaf_module",
     "set_z3_leaf_modules",
+    "set_z3_leaf_modules_by_name",
+    "set_z3_leaf_modules_by_suffix",
     "unset_z3_leaf_modules",
     "z3_leaf_module",
 ]

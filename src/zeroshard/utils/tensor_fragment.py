@@ -15,6 +15,7 @@ not train (frozen) give ``None`` from the getters, as in DeepSpeed.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ __all__ = [
     "safe_set_local_fp32_param",
     "safe_set_local_grad",
     "safe_set_local_optimizer_state",
+    "safe_update_full_grad_vectorized",
 ]
 
 
@@ -181,6 +183,30 @@ def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
 def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """Replace this rank's chunk of the gradient of ``param`` (flat ``value``) for the next step."""
     _set_grad(param, value.detach().float(), "safe_set_local_grad")
+
+
+def safe_update_full_grad_vectorized(param_list: Iterable[torch.nn.Parameter],
+                                     update_func: Callable[[torch.Tensor, torch.nn.Parameter], torch.Tensor]) -> None:
+    """Replace the gradient of each parameter by ``update_func(full_gradient, param)`` (collective: call on
+    every rank with the same parameters in the same order).
+
+    A parameter a zeroshard engine trains gets its full averaged fp32 gradient, and its return value (full,
+    the same on every rank) replaces it for the next step, as :func:`safe_set_full_grad`; a parameter the
+    engine does not train is updated in place when it holds a ``.grad``, else skipped (frozen). DeepSpeed
+    batches the ZeRO-3 case in one call; here each parameter is gathered in turn, with the same result.
+    """
+    for param in param_list:
+        if _fragment(param) is None:
+            if param.grad is not None:
+                with torch.no_grad():
+                    param.grad.copy_(update_func(param.grad, param))
+            continue
+        old = safe_get_full_grad(param)
+        if old is None:
+            raise RuntimeError("safe_update_full_grad_vectorized: no gradient to update yet; call it after "
+                               "backward() (stages 0-1: after the backward that ends the accumulation window) and "
+                               "before step()")
+        safe_set_full_grad(param, update_func(old, param))
 
 
 # -- optimizer state ---------------------------------------------------------------------------------
