@@ -277,3 +277,37 @@ def test_zero_init_parameters_carry_deepspeeds_status() -> None:
     the block, AVAILABLE inside GatheredParameters, and a modifier rank's change kept."""
     for rank, result in enumerate(run_distributed(_init_status, WORLD, timeout=60)):
         assert all(result["seen"]) and result["outside"], (rank, result)
+
+
+def _stage_classes(rank: int, world: int) -> dict[str, Any]:
+    from zeroshard.compat.ds_param_offload import ZeROOrderedDict
+    from zeroshard.compat.ds_stage_classes import DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3
+
+    out = {}
+    for stage in (1, 2, 3):
+        torch.manual_seed(0)
+        model = ToyNet()
+        engine, optimizer, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(),
+                                                     config=_config(stage))
+        x, y = make_data(1, MB * world)
+        engine.backward(engine(micro_batch(x, 0, 0, rank, world, MB), micro_batch(y, 0, 0, rank, world, MB)))
+        before = optimizer._get_norm_groups()
+        engine.step()
+        out[stage] = {"classes": (isinstance(optimizer, DeepSpeedZeroOptimizer),
+                                  isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3)),
+                      "gathering": isinstance(model.hidden._parameters, ZeROOrderedDict),
+                      "norm": (len(before), float(before[0]), optimizer._global_grad_norm)}
+        engine.destroy()
+    return out
+
+
+def test_deepspeed_optimizer_classes_and_norm_groups() -> None:
+    """DeepSpeed's stage classes answer isinstance by stage; ``_get_norm_groups()`` before the step is
+    the norm the step then clips by; ZeRO-3's modules hold DeepSpeed's ZeROOrderedDict."""
+    for rank, result in enumerate(run_distributed(_stage_classes, WORLD, timeout=120)):
+        for stage in (1, 2, 3):
+            got = result[stage]
+            assert got["classes"] == (stage < 3, stage == 3), (rank, stage, got)
+            assert got["gathering"] == (stage == 3), (rank, stage, got)
+            groups, before, after = got["norm"]
+            assert groups == 1 and before > 0 and abs(before - after) <= 1e-6 * after, (rank, stage, got)

@@ -64,3 +64,23 @@ def test_keys_of_features_zeroshard_lacks_read_back_as_given() -> None:
     assert DeepSpeedZeroConfig(zero_hpz_partition_size=4).zero_hpz_partition_size == 4
     with pytest.raises(ConfigError, match="zero_hpz_partition_size"):
         load_config({"train_batch_size": 2, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 4}}, 1)
+
+
+def test_ensure_zero_ordered_dict_as_deepspeeds_helper() -> None:
+    """DeepSpeed's parameter_offload helpers: a plain dict becomes a ZeROOrderedDict (zeroshard's
+    GatheringParams, gathering nothing outside an engine), the first container is kept once."""
+    import torch
+
+    from zeroshard.compat.ds_param_offload import ZeROOrderedDict, ensure_zero_ordered_dict
+
+    m = torch.nn.Linear(4, 4, bias=False)
+    plain = dict(m._parameters)
+    m._parameters = plain
+    ensure_zero_ordered_dict(m)
+    assert isinstance(m._parameters, ZeROOrderedDict) and "weight" in m._parameters
+    assert m._original_parameters is plain and m.weight is plain["weight"]
+    converted = m._parameters
+    ensure_zero_ordered_dict(m)
+    assert m._parameters is converted and m._original_parameters is plain
+    ensure_zero_ordered_dict(object())  # nothing to convert: no error
+    assert not isinstance({}, ZeROOrderedDict)

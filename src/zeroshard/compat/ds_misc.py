@@ -160,3 +160,7 @@ def get_model_ckpt_name_for_rank(base_folder: str, mp_rank_str: str) -> str:
     directory ``base_folder``: ``base_folder/mp_rank_00_model_states.pt``. zeroshard writes these files
     when converting to DeepSpeed's format; its own checkpoints have none."""
     return os.path.join(base_folder, f"mp_rank_{mp_rank_str}_model_states.pt")
+
+
+#: DeepSpeed's shape of a partitioned parameter's ``data`` (an empty placeholder); zeroshard's is the same
+partitioned_param_data_shape = [0]

@@ -201,12 +201,11 @@ MODULES: dict[str, Entry] = {
                                     placeholders=frozenset({"register_external_parameter", "DeepSpeedZeRoOffload"})),
     "deepspeed.runtime.zero.tiling": Entry(forward=("zeroshard.runtime.zero.tiling",)),
     "deepspeed.runtime.zero.utils": Entry(forward=("zeroshard.runtime.zero.utils",)),
-    # the stage classes are DeepSpeed internals: zeroshard's one optimizer class serves every stage
-    # (deepspeed.runtime.base_optimizer.ZeROOptimizer), and placeholders make isinstance checks False
-    "deepspeed.runtime.zero.stage_1_and_2": Entry(forward=("zeroshard.runtime.zero.stage_1_and_2",),
-                                                  placeholders=_internal("DeepSpeedZeroOptimizer")),
-    "deepspeed.runtime.zero.stage3": Entry(forward=("zeroshard.runtime.zero.stage3",),
-                                           placeholders=_internal("DeepSpeedZeroOptimizer_Stage3")),
+    # the stage classes answer isinstance by stage (compat/ds_stage_classes.py); they cannot be built
+    "deepspeed.runtime.zero.stage_1_and_2": Entry(forward=("zeroshard.runtime.zero.stage_1_and_2",), names={
+        "DeepSpeedZeroOptimizer": "zeroshard.compat.ds_stage_classes:DeepSpeedZeroOptimizer"}),
+    "deepspeed.runtime.zero.stage3": Entry(forward=("zeroshard.runtime.zero.stage3",), names={
+        "DeepSpeedZeroOptimizer_Stage3": "zeroshard.compat.ds_stage_classes:DeepSpeedZeroOptimizer_Stage3"}),
     # DeepSpeed's objects of the zero_optimization block, answered from zeroshard's config
     "deepspeed.runtime.zero.config": Entry(names=_zero_config(
         "DeepSpeedZeroConfig", "DeepSpeedZeroOffloadParamConfig", "DeepSpeedZeroOffloadOptimizerConfig"),
@@ -217,18 +216,20 @@ MODULES: dict[str, Entry] = {
     "deepspeed.runtime.zero.leaf_module_config": Entry(
         names=_misc("DEFAULT_LEAF_MODULE_CLASSES", "DEFAULT_LEAF_MODULE_NAMES", "DEFAULT_LEAF_MODULE_NAME_SUFFIXES"),
         placeholders=_internal("DeepSpeedZeroLeafModuleConfig")),
-    "deepspeed.runtime.zero.parameter_offload": Entry(placeholders=_internal(
-        "DeepSpeedZeRoOffload", "ZeROOrderedDict", "ensure_zero_ordered_dict")),
+    "deepspeed.runtime.zero.parameter_offload": Entry(
+        names={n: f"zeroshard.compat.ds_param_offload:{n}" for n in ("ZeROOrderedDict", "ensure_zero_ordered_dict")},
+        placeholders=_internal("DeepSpeedZeRoOffload")),
     # transformers reads and restores these around zero.Init (prevent_arange_dtype_change); zeroshard's
     # zero.Init wraps no tensor constructor, so there is nothing for them to do until they are called.
     "deepspeed.runtime.zero.partition_parameters": Entry(
         forward=("zeroshard.zero",),
         names={"get_accelerator": "zeroshard.accelerator:get_accelerator",
-               "ZeroParamStatus": "zeroshard.zero.param_status:ZeroParamStatus"},
+               "ZeroParamStatus": "zeroshard.zero.param_status:ZeroParamStatus",
+               "partitioned_param_data_shape": "zeroshard.compat.ds_misc:partitioned_param_data_shape"},
         placeholders=frozenset({"zero_wrapper_for_fp_tensor_constructor", "_orig_torch_arange",
                                 "get_accelerator", "register_external_parameter"}) | _internal(
             "MultipleAllGatherHandles", "InsertPostInitMethodToModuleSubClasses", "CUDAQuantizer",
-            "get_allgather_dtype", "partitioned_param_data_shape", "zero3_linear_wrap")),
+            "get_allgather_dtype", "zero3_linear_wrap")),
     "deepspeed.runtime.sequence_parallel": Entry(),
     "deepspeed.runtime.sequence_parallel.ulysses_sp": Entry(placeholders=frozenset(
         {"UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter"})),

@@ -368,6 +368,17 @@ class ZeroOptimizer:
         master = self.master.slices[int(index)][0]
         return next(p for p, m in self.master.views.items() if m is master)
 
+    def _get_norm_groups(self) -> list[torch.Tensor]:
+        """DeepSpeed's: the norm of the gradients accumulated so far, loss scale divided out, as a list
+        of one (zeroshard clips by one global norm). Collective when sharded."""
+        g32 = [g.float() for g in self._grad_views()]
+        return [torch.tensor(self._global_norm(g32) / float(self.scaler.scale))]
+
+    @property
+    def _global_grad_norm(self) -> float | None:
+        """DeepSpeed's name for :attr:`global_grad_norm`."""
+        return self.global_grad_norm
+
     def _global_norm(self, g32: list[torch.Tensor]) -> float:
         if g32 and g32[0].device.type == "cpu" and self.device.type != "cpu":
             # Optimizer offload on an accelerator: the shard is in host memory. BLAS dot products use
