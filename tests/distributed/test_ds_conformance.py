@@ -311,3 +311,22 @@ def test_deepspeed_optimizer_classes_and_norm_groups() -> None:
             assert got["gathering"] == (stage == 3), (rank, stage, got)
             groups, before, after = got["norm"]
             assert groups == 1 and before > 0 and abs(before - after) <= 1e-6 * after, (rank, stage, got)
+
+
+def _init_dtype(rank: int, world: int) -> dict[str, str]:
+    out = {}
+    for name, cfg in (("bf16", {"bf16": {"enabled": True}}), ("fp16", {"fp16": {"enabled": True}}),
+                      ("auto", {"bf16": {"enabled": "auto"}}), ("none", None)):
+        with zeroshard.zero.Init(config_dict_or_path=cfg):
+            layer = torch.nn.Linear(4, 3)
+        out[name] = str(layer.weight.ds_tensor.dtype)
+    return out
+
+
+def test_zero_init_keeps_the_configs_16_bit_dtype() -> None:
+    """As DeepSpeed's zero.Init (its test_subclass_param_init): a config enabling fp16 or bf16 builds
+    the chunks in it; "auto" (Hugging Face has not filled it in yet) and no config keep the constructed
+    dtype (DeepSpeed would use fp16 without a config)."""
+    for result in run_distributed(_init_dtype, WORLD, timeout=60):
+        assert result == {"bf16": "torch.bfloat16", "fp16": "torch.float16", "auto": "torch.float32",
+                          "none": "torch.float32"}, result

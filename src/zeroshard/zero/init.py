@@ -13,7 +13,8 @@ import contextlib
 import functools
 import itertools
 import logging
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -23,6 +24,7 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from zeroshard import host_memory
 from zeroshard.comm import collectives as C
+from zeroshard.config.load import read_config
 from zeroshard.errors import ConfigError
 from zeroshard.partition import INIT_CHUNK_ATTR as SHARD_ATTR
 from zeroshard.partition import SHAPE_ATTR, ShardLayout, full_shape
@@ -43,9 +45,13 @@ class Init:
             ``"nvme"`` (chunks in host memory; ``initialize`` then moves them where the config's
             ``offload_param`` says, into the swap file for ``nvme``).
         pin_memory: accepted (pinning is decided by the config's ``offload_param.pin_memory``).
-        config_dict_or_path: the training config; its ZeRO stage must be 3 when given.
+        config_dict_or_path: the training config (``config`` is DeepSpeed's older name). When it
+            enables fp16 or bf16 (``true``, not ``"auto"``), the chunks are kept in that dtype, as
+            DeepSpeed's are: half the memory while building, and the masters ``initialize`` makes
+            start from the 16-bit values.
         enabled: ``False`` builds the model normally.
-        dtype: dtype of the parameters' chunks (default: as constructed).
+        dtype: dtype of the parameters' chunks (default: the config's 16-bit dtype, else as
+            constructed; without a config DeepSpeed uses fp16, zeroshard keeps the constructed dtype).
     """
 
     def __init__(self, module: torch.nn.Module | None = None, data_parallel_group: dist.ProcessGroup | None = None,
@@ -60,7 +66,8 @@ class Init:
         self.remote = remote_device in ("cpu", "nvme")
         self.enabled = enabled
         self.group = data_parallel_group
-        self.dtype = dtype
+        self.dtype = dtype if dtype is not None else _config_dtype(
+            config_dict_or_path if config_dict_or_path is not None else config)
         self._handle: Any = None
         self._session: InitSession | None = None
         self._created: list[tuple[torch.nn.Module, str]] = []
@@ -153,6 +160,21 @@ class Init:
         self._settled[0] += len(converted)
         self._settled[1] += sum(int(torch.Size(getattr(p, SHAPE_ATTR)).numel()) for p in converted.values())
         return list(converted.values())
+
+
+def _config_dtype(config: Any) -> torch.dtype | None:
+    """The 16-bit dtype a training config enables (fp16 or bf16 set to ``true``); ``None`` for fp32, for
+    ``"auto"`` (not decided yet: Hugging Face fills it in later) and without a config."""
+    if config is None:
+        return None
+    if hasattr(config, "compute_dtype"):  # a loaded ZeroshardConfig
+        return None if config.compute_dtype == torch.float32 else config.compute_dtype
+    raw = read_config(config) if isinstance(config, (str, os.PathLike, Mapping)) else {}
+    for key, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16)):
+        block = raw.get(key)
+        if isinstance(block, Mapping) and block.get("enabled") is True:
+            return dtype
+    return None
 
 
 #: The outermost ``zero.Init`` block open now, if any: torch's registration hook is process-wide,
