@@ -330,3 +330,32 @@ def test_zero_init_keeps_the_configs_16_bit_dtype() -> None:
     for result in run_distributed(_init_dtype, WORLD, timeout=60):
         assert result == {"bf16": "torch.bfloat16", "fp16": "torch.float16", "auto": "torch.float32",
                           "none": "torch.float32"}, result
+
+
+class _GrandPa(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.grandpa = torch.nn.Parameter(torch.ones(5))
+        self.grandpa.data = (self.grandpa.data + 1).data
+
+
+class _Son(_GrandPa):
+    def __init__(self) -> None:
+        super().__init__()
+        self.son = torch.nn.Parameter(torch.arange(7.0))
+        self.son.data = self.son.data * 2
+        self.grandpa.data = self.grandpa.data + 1
+
+
+def _data_assignment(rank: int, world: int) -> list[list[float]]:
+    with zeroshard.zero.Init():
+        model = _Son().cpu()  # Module.cpu() assigns .data too
+    with zeroshard.zero.GatheredParameters(list(model.parameters())):
+        return [model.grandpa.tolist(), model.son.tolist()]
+
+
+def test_data_assigned_in_a_constructor_under_zero_init_is_kept() -> None:
+    """``p.data = ...`` in a constructor under zero.Init (DeepSpeed's test_subclass_param_init): the
+    values written are the parameter's (they were silently dropped: the chunk kept the old ones)."""
+    for rank, got in enumerate(run_distributed(_data_assignment, WORLD, timeout=60)):
+        assert got == [[3.0] * 5, [2.0 * i for i in range(7)]], (rank, got)

@@ -38,6 +38,7 @@ from torch.utils import _pytree as pytree
 
 from zeroshard import host_memory
 from zeroshard.comm import collectives as C
+from zeroshard.errors import ZeroshardError
 from zeroshard.partition import ShardLayout
 
 aten = torch.ops.aten
@@ -208,6 +209,24 @@ class LazyShardTensor(torch.Tensor):
         return t
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    @property  # type: ignore[override]
+    def data(self) -> LazyShardTensor:
+        """The same values without autograd history (reads and writes reach the chunk)."""
+        return LazyShardTensor(self.core)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        # torch's own setter swaps the storage under the wrapper, and the values written would be
+        # lost: ``self.w.data = self.w.data + 1`` in a constructor, ``module.cpu()`` inside the block.
+        if isinstance(value, LazyShardTensor) and value.core is self.core:
+            return
+        if tuple(value.shape) != tuple(self.shape):
+            raise ZeroshardError(f"zero.Init: a parameter of shape {tuple(self.shape)} had its .data replaced by a "
+                                 f"tensor of shape {tuple(value.shape)}: a partitioned parameter keeps its shape; "
+                                 "build it with the new shape instead")
+        with torch.no_grad():
+            LazyShardTensor(self.core).copy_(value)
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"LazyShardTensor(shape={tuple(self.shape)}, dtype={self.dtype})"
