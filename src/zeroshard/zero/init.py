@@ -130,6 +130,16 @@ class Init:
         logger.info("zero.Init: %d parameters (%d elements) partitioned over %d ranks",
                     self._settled[0], self._settled[1], self._session.world)
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Settle the parameters created so far, and partition nothing new inside the ``with``."""
+        self.settle()
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+
     def settle(self, first: int = 0) -> list[torch.nn.Parameter]:
         """Turn the parameters created since the ``first``-th into partitioned parameters
         (an empty placeholder with this rank's chunk and DeepSpeed's ``ds_*`` attributes), as the
@@ -189,16 +199,11 @@ def outside_init() -> Iterator[None]:
 
     The model it is given was built in the block; the engine's own parameters are not the model's.
     """
-    outer = _OPEN[0] if _OPEN else None
-    if outer is None:
+    if not _OPEN:
         yield
         return
-    outer.settle()
-    outer._paused = True
-    try:
+    with _OPEN[0].paused():
         yield
-    finally:
-        outer._paused = False
 
 
 #: DeepSpeed's attributes of a partitioned parameter, which Hugging Face code reads (``ds_numel`` in the
