@@ -8,12 +8,13 @@ scheduler and data loader.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,24 @@ logger = logging.getLogger("zeroshard")
 OptimizerArg = torch.optim.Optimizer | Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _outside_zero_init(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Run ``fn`` as if outside any open ``zero.Init`` block: DeepSpeed allows ``initialize`` inside
+    one, and then the model's parameters are settled into partitioned ones first, and what the engine
+    builds is not partitioned by the block."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with outside_init():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@_outside_zero_init
 def initialize(
     args: Any = None,
     model: torch.nn.Module | None = None,
@@ -101,99 +120,96 @@ def initialize(
     if config is None:
         raise ConfigError("initialize() needs config=... (a path, dict or JSON string in DeepSpeed's schema)")
     install_default_handler()  # progress visible on stderr unless the application configured logging
-    # Called inside a zero.Init block (DeepSpeed allows it): the model's parameters are settled into
-    # partitioned ones first, and what the engine builds is not partitioned by the block.
-    with outside_init():
-        started = time.perf_counter()
-        init_distributed()
-        group = None  # the default (world) group: the one the user created, or ours
-        cfg = load_config(config, world_size=C.world_size(group), auto_values=auto_values)
-        refuse_shape_dependent(optimizer)  # before anything is moved or partitioned
-        check_model(model, cfg.zero_stage, C.world_size(group), sixteen_bit=cfg.compute_dtype != torch.float32,
-                    warn=C.rank(group) == 0)
-        logger.info("zeroshard: initialize: ZeRO stage %d on %d ranks", cfg.zero_stage, C.world_size(group))
-        _check_same_config(cfg, group)
-        _configure_activation_checkpointing(cfg)  # the activation_checkpointing block, unless configure() was called
-        if cfg.collective_timeout is not None:
-            watchdog.set_timeout(timedelta(seconds=float(cfg.collective_timeout)), group)
-        watchdog.start_heartbeat()
-        device = default_device(local_rank())
-        model.to(device)
-        # Built under zero.Init but trained unsharded: whole, on the training device (model.to above
-        # moved only placeholders; with remote_device the chunks are in host memory).
-        if cfg.zero_stage < 3:
-            materialize_init_params(model, group, device)
-        _sync_module_states(model, group)
+    started = time.perf_counter()
+    init_distributed()
+    group = None  # the default (world) group: the one the user created, or ours
+    cfg = load_config(config, world_size=C.world_size(group), auto_values=auto_values)
+    refuse_shape_dependent(optimizer)  # before anything is moved or partitioned
+    check_model(model, cfg.zero_stage, C.world_size(group), sixteen_bit=cfg.compute_dtype != torch.float32,
+                warn=C.rank(group) == 0)
+    logger.info("zeroshard: initialize: ZeRO stage %d on %d ranks", cfg.zero_stage, C.world_size(group))
+    _check_same_config(cfg, group)
+    _configure_activation_checkpointing(cfg)  # the activation_checkpointing block, unless configure() was called
+    if cfg.collective_timeout is not None:
+        watchdog.set_timeout(timedelta(seconds=float(cfg.collective_timeout)), group)
+    watchdog.start_heartbeat()
+    device = default_device(local_rank())
+    model.to(device)
+    # Built under zero.Init but trained unsharded: whole, on the training device (model.to above
+    # moved only placeholders; with remote_device the chunks are in host memory).
+    if cfg.zero_stage < 3:
+        materialize_init_params(model, group, device)
+    _sync_module_states(model, group)
 
-        cfg = _client_overrides(cfg, optimizer, lr_scheduler, group)
-        # Without any optimizer the engine is for evaluation or inference, possibly of a model frozen
-        # whole (TRL's reference model, a distillation teacher), as DeepSpeed builds it.
-        param_groups = _param_groups(model, optimizer, model_parameters,
-                                     need_trained=optimizer is not None or cfg.optimizer is not None)
-        if cfg.zero_stage == 3:
-            apply_leaf_module_config(model, cfg.zero_optimization.leaf_module)
-            mark_fine_grained_leaves(model, cfg.zero_optimization.stage3_module_granularity_threshold)
-            # ZeRO-3 partitions the parameters it trains and the frozen ones (requires_grad=False);
-            # one outside the optimizer that requires gradients stays whole (it warns with the size).
-            trained = {id(p) for g in param_groups for p in g["params"]}
-            materialize_init_params(model, group, device, only=lambda p: id(p) not in trained and p.requires_grad)
-        policy = PrecisionPolicy(
-            param_dtype=cfg.compute_dtype,
-            grad_accum_dtype=cfg.grad_accum_dtype,
-            reduce_dtype=cfg.reduce_dtype,
-            auto_cast=cfg.fp16.auto_cast if cfg.fp16.enabled else cfg.bf16.auto_cast,
-        )
-        z = cfg.zero_optimization
-        spec = StageSpec(
-            stage=cfg.zero_stage,
-            reduce_bucket_size=_bucket_numel(z, "reduce_bucket_size"),
-            allgather_bucket_size=_bucket_numel(z, "allgather_bucket_size"),
-            overlap_comm=bool(z.overlap_comm),
-            gradient_clipping=float(cfg.gradient_clipping),
-            max_live_parameters=int(z.stage3_max_live_parameters),
-            prefetch_bucket_size=int(z.stage3_prefetch_bucket_size),
-            param_persistence_threshold=int(z.stage3_param_persistence_threshold),
-            skip_non_finite=cfg.fp16.enabled or not cfg.bf16.enabled or bool(cfg.bf16.check_grad_overflow),
-        )
-        _note_default_clipping(cfg, group)
-        if not spec.skip_non_finite and C.rank(group) == 0:
-            logger.warning("zeroshard: bf16.check_grad_overflow is false: a step whose gradients hold NaN or Inf is "
-                           "applied, as in DeepSpeed, and the parameters then hold NaN or Inf; remove the key to "
-                           "skip such steps")
-        scaler = make_loss_scaler(cfg.fp16)
-        offload = OffloadPolicy.from_config(cfg)
-        zero_opt = (
-            Stage3Optimizer(model, param_groups, spec, policy, scaler, group, device, offload)
-            if spec.stage == 3
-            else ZeroOptimizer(param_groups, spec, policy, scaler, group, device, offload)
-        )
-        try:  # a failure from here on (a bad optimizer or scheduler, auto_resume) must not leave swap files behind
-            if policy.param_dtype != torch.float32:
-                model.to(policy.param_dtype)
-            zero_opt.note_parameter_data()
-            zero_opt.sync.scaling = _reduce_scaling(cfg, C.world_size(group))
-            _bind_optimizer(zero_opt, optimizer, cfg)
-            scheduler = _scheduler(lr_scheduler, zero_opt, cfg)
-            loader = _dataloader(training_data, cfg, collate_fn, group)
-            engine = ZeroEngine(model, zero_opt, cfg, policy, scheduler, group)
-            engine.training_dataloader = loader
-            engine.collate_fn = collate_fn  # deepspeed_io's default, as in DeepSpeed
-            if cfg.checkpoint.auto_resume:
-                path, _ = engine.load_checkpoint(cfg.checkpoint.auto_resume)
-                if C.rank(group) == 0:
-                    logger.warning("zeroshard: %s", f"resumed from {path} at step {engine.global_steps}" if path else
-                                   f"auto_resume: no checkpoint in {cfg.checkpoint.auto_resume} yet, starting afresh")
-        except BaseException:  # the hooks, swap files and I/O threads would stay until the interpreter exits
-            zero_opt.detach()
-            raise
-        if C.rank(group) == 0:
-            warn_no_effect(cfg)
-            if cfg.dump_state:  # DeepSpeed's dump_state: the engine's settings after initialization
-                logger.info("zeroshard: dump_state: %s", json.dumps(to_dict(cfg), indent=2, sort_keys=True))
-        n_trained = sum(full_numel(p) for p in zero_opt.master.views)
-        logger.info("zeroshard: ZeRO stage %d, %s, world size %d, %d trainable parameters, initialized in %.1f s",
-                    spec.stage, policy.param_dtype, engine.world_size, n_trained, time.perf_counter() - started)
-        return engine, zero_opt, loader, scheduler
+    cfg = _client_overrides(cfg, optimizer, lr_scheduler, group)
+    # Without any optimizer the engine is for evaluation or inference, possibly of a model frozen
+    # whole (TRL's reference model, a distillation teacher), as DeepSpeed builds it.
+    param_groups = _param_groups(model, optimizer, model_parameters,
+                                 need_trained=optimizer is not None or cfg.optimizer is not None)
+    if cfg.zero_stage == 3:
+        apply_leaf_module_config(model, cfg.zero_optimization.leaf_module)
+        mark_fine_grained_leaves(model, cfg.zero_optimization.stage3_module_granularity_threshold)
+        # ZeRO-3 partitions the parameters it trains and the frozen ones (requires_grad=False);
+        # one outside the optimizer that requires gradients stays whole (it warns with the size).
+        trained = {id(p) for g in param_groups for p in g["params"]}
+        materialize_init_params(model, group, device, only=lambda p: id(p) not in trained and p.requires_grad)
+    policy = PrecisionPolicy(
+        param_dtype=cfg.compute_dtype,
+        grad_accum_dtype=cfg.grad_accum_dtype,
+        reduce_dtype=cfg.reduce_dtype,
+        auto_cast=cfg.fp16.auto_cast if cfg.fp16.enabled else cfg.bf16.auto_cast,
+    )
+    z = cfg.zero_optimization
+    spec = StageSpec(
+        stage=cfg.zero_stage,
+        reduce_bucket_size=_bucket_numel(z, "reduce_bucket_size"),
+        allgather_bucket_size=_bucket_numel(z, "allgather_bucket_size"),
+        overlap_comm=bool(z.overlap_comm),
+        gradient_clipping=float(cfg.gradient_clipping),
+        max_live_parameters=int(z.stage3_max_live_parameters),
+        prefetch_bucket_size=int(z.stage3_prefetch_bucket_size),
+        param_persistence_threshold=int(z.stage3_param_persistence_threshold),
+        skip_non_finite=cfg.fp16.enabled or not cfg.bf16.enabled or bool(cfg.bf16.check_grad_overflow),
+    )
+    _note_default_clipping(cfg, group)
+    if not spec.skip_non_finite and C.rank(group) == 0:
+        logger.warning("zeroshard: bf16.check_grad_overflow is false: a step whose gradients hold NaN or Inf is "
+                       "applied, as in DeepSpeed, and the parameters then hold NaN or Inf; remove the key to "
+                       "skip such steps")
+    scaler = make_loss_scaler(cfg.fp16)
+    offload = OffloadPolicy.from_config(cfg)
+    zero_opt = (
+        Stage3Optimizer(model, param_groups, spec, policy, scaler, group, device, offload)
+        if spec.stage == 3
+        else ZeroOptimizer(param_groups, spec, policy, scaler, group, device, offload)
+    )
+    try:  # a failure from here on (a bad optimizer or scheduler, auto_resume) must not leave swap files behind
+        if policy.param_dtype != torch.float32:
+            model.to(policy.param_dtype)
+        zero_opt.note_parameter_data()
+        zero_opt.sync.scaling = _reduce_scaling(cfg, C.world_size(group))
+        _bind_optimizer(zero_opt, optimizer, cfg)
+        scheduler = _scheduler(lr_scheduler, zero_opt, cfg)
+        loader = _dataloader(training_data, cfg, collate_fn, group)
+        engine = ZeroEngine(model, zero_opt, cfg, policy, scheduler, group)
+        engine.training_dataloader = loader
+        engine.collate_fn = collate_fn  # deepspeed_io's default, as in DeepSpeed
+        if cfg.checkpoint.auto_resume:
+            path, _ = engine.load_checkpoint(cfg.checkpoint.auto_resume)
+            if C.rank(group) == 0:
+                logger.warning("zeroshard: %s", f"resumed from {path} at step {engine.global_steps}" if path else
+                               f"auto_resume: no checkpoint in {cfg.checkpoint.auto_resume} yet, starting afresh")
+    except BaseException:  # the hooks, swap files and I/O threads would stay until the interpreter exits
+        zero_opt.detach()
+        raise
+    if C.rank(group) == 0:
+        warn_no_effect(cfg)
+        if cfg.dump_state:  # DeepSpeed's dump_state: the engine's settings after initialization
+            logger.info("zeroshard: dump_state: %s", json.dumps(to_dict(cfg), indent=2, sort_keys=True))
+    n_trained = sum(full_numel(p) for p in zero_opt.master.views)
+    logger.info("zeroshard: ZeRO stage %d, %s, world size %d, %d trainable parameters, initialized in %.1f s",
+                spec.stage, policy.param_dtype, engine.world_size, n_trained, time.perf_counter() - started)
+    return engine, zero_opt, loader, scheduler
 
 
 def _reduce_scaling(cfg: ZeroshardConfig, world: int) -> tuple[float, float] | None:
