@@ -58,6 +58,8 @@ GOAL_FILES = (
     "tests/unit/checkpoint/test_tag_validation.py",
     "tests/unit/runtime/half_precision/test_zero_optim_overflow.py",
 )
+#: a file's whole run is killed after this long (DeepSpeed's harness leaves some failures hanging)
+FILE_TIMEOUT_S = 2400
 _SITECUSTOMIZE = """\
 import zeroshard.compat.deepspeed
 zeroshard.compat.deepspeed.enable(shadow=True)
@@ -91,7 +93,7 @@ def parse_log(text: str) -> dict[str, str]:
 
 
 def _run_side(side: str, work: Path, files: list[str], out: Path, extra: list[str], timeout: int,
-              rerun: bool) -> dict[str, str]:
+              rerun: bool, deselect: list[str]) -> dict[str, str]:
     """Run pytest once per file for one side; return every outcome recorded so far for those files.
 
     Outcomes accumulate in ``OUT/<side>.json`` file by file, so an interrupted run resumes where it
@@ -111,11 +113,17 @@ def _run_side(side: str, work: Path, files: list[str], out: Path, extra: list[st
             continue
         started = time.monotonic()
         cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rN", file.removeprefix("tests/"), *extra]
-        done = subprocess.run(cmd, cwd=work / "tests", env=env, capture_output=True, text=True, check=False)
-        log = done.stdout + done.stderr
+        if side == "zeroshard":  # tests known to hang DeepSpeed's harness on zeroshard (see the toml)
+            cmd += [f"--deselect={t.removeprefix('tests/')}" for t in deselect if t.startswith(file + "::")]
+        try:
+            done = subprocess.run(cmd, cwd=work / "tests", env=env, capture_output=True, text=True, check=False,
+                                  timeout=FILE_TIMEOUT_S)
+            log, code = done.stdout + done.stderr, done.returncode
+        except subprocess.TimeoutExpired as e:  # a hang the harness's own timeout did not end
+            log, code = f"{e.stdout or ''}{e.stderr or ''}\n[conformance] killed after {FILE_TIMEOUT_S} s", -1
         (out / side / (file.replace("/", "_") + ".log")).write_text(log)
         results[file] = parse_log(log)
-        if not results[file] and done.returncode not in (0, 5):  # nothing ran: it failed to import
+        if not results[file] and code not in (0, 5):  # nothing ran: it failed to import
             results[file] = {file + "::<collection>": "error"}
         store.write_text(json.dumps(results, indent=1, sort_keys=True))
         counts = Counter(results[file].values())
@@ -128,6 +136,12 @@ def load_expected(path: Path) -> list[tuple[str, str]]:
     data = tomllib.loads(path.read_text())
     return [(pattern, entry["reason"]) for entry in data.get("difference", [])
             for pattern in entry["tests"]]
+
+
+def load_deselected(path: Path) -> list[str]:
+    """The test ids ``expected_differences.toml`` marks ``deselect = true``: they hang the harness."""
+    data = tomllib.loads(path.read_text())
+    return [t for entry in data.get("difference", []) if entry.get("deselect") for t in entry["tests"]]
 
 
 def _reason(test_id: str, expected: list[tuple[str, str]]) -> str | None:
@@ -195,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.copytree(checkout / "tests", work / "tests")
         for side in ("deepspeed", "zeroshard"):
             if args.side in ("both", side):
-                outcomes[side] = _run_side(side, work, files, args.out, args.pytest_args, args.timeout, args.rerun)
+                outcomes[side] = _run_side(side, work, files, args.out, args.pytest_args, args.timeout, args.rerun,
+                                           load_deselected(HERE / "expected_differences.toml"))
     for side in ("deepspeed", "zeroshard"):
         store = args.out / f"{side}.json"
         if side not in outcomes and store.is_file():
