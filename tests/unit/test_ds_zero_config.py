@@ -84,3 +84,13 @@ def test_ensure_zero_ordered_dict_as_deepspeeds_helper() -> None:
     assert m._parameters is converted and m._original_parameters is plain
     ensure_zero_ordered_dict(object())  # nothing to convert: no error
     assert not isinstance({}, ZeROOrderedDict)
+
+
+def test_elastic_checkpoint_at_stage_3_says_it_is_deprecated(caplog: pytest.LogCaptureFixture) -> None:
+    """DeepSpeed's words (its test_elastic_checkpoint_is_deprecated_for_zero3 matches them)."""
+    with caplog.at_level("WARNING", logger="zeroshard"):
+        DeepSpeedZeroConfig(stage=3, elastic_checkpoint=True)
+        assert "elastic checkpointing is deprecated" in caplog.text.lower()
+        caplog.clear()
+        DeepSpeedZeroConfig(stage=2, elastic_checkpoint=True)
+        assert "elastic" not in caplog.text

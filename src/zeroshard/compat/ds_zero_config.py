@@ -20,6 +20,7 @@ from zeroshard.config.load import normalize_deepspeed_spellings
 from zeroshard.config.schema import ZeroshardConfig
 from zeroshard.config.validation import config_error_from_validation
 from zeroshard.config.zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+from zeroshard.utils.logging import logger
 
 __all__ = ["DeepSpeedZeroConfig", "DeepSpeedZeroOffloadOptimizerConfig", "DeepSpeedZeroOffloadParamConfig"]
 
@@ -71,6 +72,9 @@ class DeepSpeedZeroConfig:
             self._zero: ZeroConfig = ZeroshardConfig.model_validate(raw).zero_optimization
         except ValidationError as exc:
             raise config_error_from_validation(exc, ZeroshardConfig) from None
+        if self._zero.stage == 3 and self._zero.elastic_checkpoint:  # DeepSpeed's words, which scripts match
+            logger.warning("ZeRO-3 elastic checkpointing is deprecated and no longer supported; zeroshard's "
+                           "checkpoints reload at any world size and stage without it")
 
     @property
     def offload_optimizer(self) -> DeepSpeedZeroOffloadOptimizerConfig | None:
