@@ -354,7 +354,7 @@ def test_layer_presents_the_names() -> None:
         assert deepspeed.runtime.config.DeepSpeedConfigError is ConfigError
         assert OffloadDeviceEnum.nvme == "nvme" and len(DEFAULT_LEAF_MODULE_CLASSES) == 3
 
-        # internals: they import, and any use raises
+        # internals: they import, and any use raises (the stage classes answer isinstance only)
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
         from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
         from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig
@@ -366,8 +366,10 @@ def test_layer_presents_the_names() -> None:
         assert DeepSpeedZeroConfig().leaf_module.classes == DEFAULT_LEAF_MODULE_CLASSES
         from deepspeed.checkpoint.ds_to_universal import main as convert_to_universal
         assert not isinstance(object(), DeepSpeedZeroOptimizer_Stage3)
-        for internal in (DeepSpeedZeroOptimizer_Stage3, ZeROOrderedDict, MultipleAllGatherHandles,
-                         convert_to_universal):
+        # the module parameter dict that gathers on read is zeroshard's GatheringParams
+        from zeroshard.stages.param_reads import GatheringParams
+        assert isinstance(ZeROOrderedDict(parent_module=None), GatheringParams)
+        for internal in (DeepSpeedZeroOptimizer_Stage3, MultipleAllGatherHandles, convert_to_universal):
             try:
                 internal()
             except NotYetSupportedError:
