@@ -359,3 +359,52 @@ def test_data_assigned_in_a_constructor_under_zero_init_is_kept() -> None:
     values written are the parameter's (they were silently dropped: the chunk kept the old ones)."""
     for rank, got in enumerate(run_distributed(_data_assignment, WORLD, timeout=60)):
         assert got == [[3.0] * 5, [2.0 * i for i in range(7)]], (rank, got)
+
+
+class _SkipInitNet(torch.nn.Module):
+    """Layers built by torch.nn.utils.skip_init (on the meta device, then to_empty), one ordinary."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.utils.skip_init(torch.nn.Linear, 11, 37)
+        self.b = torch.nn.Linear(37, 5)
+        with torch.no_grad():  # skip_init leaves the values uninitialised: give them some
+            self.a.weight.copy_(torch.linspace(-1, 1, 37 * 11).view(37, 11))
+            self.a.bias.zero_()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.b(torch.tanh(self.a(x))), y)
+
+
+def _skip_init(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    with zeroshard.zero.Init():
+        model = _SkipInitNet()
+    # placeholders, and this rank's elements (unpadded until initialize adopts them)
+    partitioned = [(p.numel(), p.ds_tensor.numel(), p.ds_numel) for p in model.parameters()]
+    with zeroshard.zero.GatheredParameters(list(model.parameters())):
+        initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=_config(3))
+    return {"partitioned": partitioned, "initial": initial, "trained": _train(engine, rank, world)}
+
+
+def test_skip_init_under_zero_init_is_partitioned_and_trains() -> None:
+    """DeepSpeed's TestParamPartitioningSkipInit: parameters built on the meta device and given values in
+    the block are partitioned when the block settles (they were left whole, without ds_tensor)."""
+    results = run_distributed(_skip_init, WORLD, timeout=120)
+    torch.manual_seed(0)
+    ref_model = _SkipInitNet()
+    ref_model.load_state_dict(results[0]["initial"])
+    opt = _adam(ref_model)
+    x, y = make_data(STEPS, MB * WORLD)
+    for step in range(STEPS):
+        opt.zero_grad()
+        ref_model(x[step], y[step]).backward()
+        opt.step()
+    ref = {n: p.detach() for n, p in ref_model.named_parameters()}
+    for i, (_, _, numel) in enumerate(results[0]["partitioned"]):
+        assert all(r["partitioned"][i][0] == 0 for r in results), i
+        assert sum(r["partitioned"][i][1] for r in results) == numel, (i, [r["partitioned"][i] for r in results])
+    for rank, result in enumerate(results):
+        assert all(torch.equal(result["initial"][n], results[0]["initial"][n]) for n in ref), rank
+        assert relative_distance(result["trained"], ref) <= TOL, (rank, relative_distance(result["trained"], ref))

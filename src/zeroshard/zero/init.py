@@ -104,6 +104,13 @@ class Init:
             if not self._paused:
                 self._created.append((module, name))
             return None
+        self._created.append((module, name))
+        if param.device.type == "meta":  # no values yet (torch.nn.utils.skip_init): partitioned when settled
+            return None
+        return self._lazy(param)
+
+    def _lazy(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
+        """``param`` as a lazily partitioned parameter (a collective: rank 0's values are kept)."""
         assert self._session is not None
         data = param.detach()
         if self.remote and data.device.type != "cpu":
@@ -111,7 +118,6 @@ class Init:
         if self.dtype is not None and data.is_floating_point():
             data = data.to(self.dtype)
         core = ShardCore(data, self._session)
-        self._created.append((module, name))
         return torch.nn.Parameter(LazyShardTensor(core), requires_grad=param.requires_grad)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -151,7 +157,15 @@ class Init:
         assert self._session is not None
         self._session.flush()  # every cached full parameter back to its chunk
         converted: dict[int, torch.nn.Parameter] = {}
+        made: dict[int, torch.nn.Parameter] = {}  # a tied parameter is partitioned once
         for module, name in self._created[first:]:
+            whole = module._parameters.get(name)
+            if (whole is not None and not isinstance(whole, LazyShardTensor) and whole.device.type != "meta"
+                    and getattr(whole, SHARD_ATTR, None) is None):
+                # built on the meta device, then given values in the block (skip_init's to_empty)
+                if id(whole) not in made:
+                    made[id(whole)] = self._lazy(whole)
+                module._parameters[name] = made[id(whole)]
             lazy = module._parameters.get(name)
             if not isinstance(lazy, LazyShardTensor):
                 continue
