@@ -48,9 +48,12 @@ def _train(engine: Any, rank: int, world: int) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _reference(make_optimizer: Any, frozen: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)
-    model = ToyNet()
+def _reference(make_optimizer: Any, frozen: tuple[str, ...] = (),
+               model: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
+    """Plain PyTorch over the global batch, from ``model`` (default: ToyNet from seed 0)."""
+    if model is None:
+        torch.manual_seed(0)
+        model = ToyNet()
     for name, p in model.named_parameters():
         p.requires_grad_(name not in frozen)
     opt = make_optimizer(model)
@@ -392,16 +395,9 @@ def test_skip_init_under_zero_init_is_partitioned_and_trains() -> None:
     """DeepSpeed's TestParamPartitioningSkipInit: parameters built on the meta device and given values in
     the block are partitioned when the block settles (they were left whole, without ds_tensor)."""
     results = run_distributed(_skip_init, WORLD, timeout=120)
-    torch.manual_seed(0)
     ref_model = _SkipInitNet()
     ref_model.load_state_dict(results[0]["initial"])
-    opt = _adam(ref_model)
-    x, y = make_data(STEPS, MB * WORLD)
-    for step in range(STEPS):
-        opt.zero_grad()
-        ref_model(x[step], y[step]).backward()
-        opt.step()
-    ref = {n: p.detach() for n, p in ref_model.named_parameters()}
+    ref = _reference(_adam, model=ref_model)
     for i, (_, _, numel) in enumerate(results[0]["partitioned"]):
         assert all(r["partitioned"][i][0] == 0 for r in results), i
         assert sum(r["partitioned"][i][1] for r in results) == numel, (i, [r["partitioned"][i] for r in results])

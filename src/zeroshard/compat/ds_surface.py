@@ -69,12 +69,9 @@ def _internal(*names: str) -> frozenset[str]:
 
 
 _LEAF = "zeroshard.stages.units"
-_LEAF_BY_NAME = "zeroshard.utils.leaf_modules"
-_LEAF_NAMES = {
-    **{n: f"{_LEAF}:{n}" for n in ("set_z3_leaf_modules", "unset_z3_leaf_modules", "z3_leaf_module",
-                                   "get_z3_leaf_modules")},
-    **{n: f"{_LEAF_BY_NAME}:{n}" for n in ("set_z3_leaf_module", "set_z3_leaf_modules_by_name",
-                                           "set_z3_leaf_modules_by_suffix")}}
+_LEAF_NAMES = {n: f"{_LEAF}:{n}" for n in (
+    "set_z3_leaf_modules", "unset_z3_leaf_modules", "z3_leaf_module", "get_z3_leaf_modules", "set_z3_leaf_module",
+    "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix")}
 #: ``deepspeed.zero`` is ``deepspeed.runtime.zero`` in DeepSpeed: names both present
 _RUNTIME_ZERO = {"unwrap_model_for_generation": "zeroshard.runtime.zero.stage3:unwrap_model_for_generation",
                  "TiledLinear": "zeroshard.runtime.zero.tiling:TiledLinear",

@@ -73,19 +73,74 @@ def get_z3_leaf_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if is_leaf(m)]
 
 
+def set_z3_leaf_module(model: torch.nn.Module, flag: bool) -> None:
+    """Mark (``flag`` true) or unmark ``model`` itself as a ZeRO-3 leaf."""
+    setattr(model, _LEAF_ATTR, flag)
+
+
+def set_z3_leaf_modules_by_name(model: torch.nn.Module, module_names: Sequence[str], flag: bool = True,
+                                raise_if_not_found: bool = True) -> tuple[list[torch.nn.Module], list[str]]:
+    """Set the leaf mark of the submodules named ``module_names`` (as in ``model.named_modules()``;
+    ``""`` is ``model``) to ``flag``.
+
+    Returns:
+        The modules matched, in the order of ``module_names``, and the names that matched none.
+
+    Raises:
+        ValueError: some name matched no module and ``raise_if_not_found`` is true (the names found
+            are marked all the same, as DeepSpeed does).
+    """
+    named = dict(model.named_modules())
+    matched: list[torch.nn.Module] = []
+    missing: list[str] = []
+    for name in module_names:
+        module = named.get(name)
+        if module is None:
+            missing.append(name)
+            continue
+        set_z3_leaf_module(module, flag)
+        matched.append(module)
+    if missing and raise_if_not_found:
+        raise ValueError(f"no module named {missing} in {type(model).__name__} (names are those of named_modules())")
+    return matched, missing
+
+
+def set_z3_leaf_modules_by_suffix(model: torch.nn.Module, module_name_suffixes: Sequence[str], flag: bool = True,
+                                  raise_if_not_found: bool = True) -> tuple[list[torch.nn.Module], list[str]]:
+    """Set the leaf mark of every submodule whose name in ``model.named_modules()`` ends with one of
+    ``module_name_suffixes`` to ``flag``.
+
+    Returns:
+        The modules matched (each once, in the order found) and the suffixes that matched none.
+
+    Raises:
+        ValueError: some suffix matched no module and ``raise_if_not_found`` is true.
+    """
+    named = dict(model.named_modules())
+    matched: dict[int, torch.nn.Module] = {}
+    missing: list[str] = []
+    for suffix in module_name_suffixes:
+        hits = [module for name, module in named.items() if name.endswith(suffix)]
+        if not hits:
+            missing.append(suffix)
+        for module in hits:
+            set_z3_leaf_module(module, flag)
+            matched.setdefault(id(module), module)
+    if missing and raise_if_not_found:
+        raise ValueError(f"no module whose name ends with {missing} in {type(model).__name__}")
+    return list(matched.values()), missing
+
+
 def apply_leaf_module_config(model: torch.nn.Module, leaf: Any) -> list[torch.nn.Module]:
     """Mark the leaves the ``zero_optimization.leaf_module`` block names (``leaf.classes``,
     ``leaf.names`` as in ``named_modules()``, ``leaf.name_suffixes``); warn about names and classes
     that match nothing, unless the classes are DeepSpeed's defaults (most models have none of them)."""
-    named = dict(model.named_modules())
     marked = {id(m): m for m in _mark(model, leaf.classes, True, raise_if_not_found=False)}
-    by_name = [named[n] for n in leaf.names if n in named]
-    by_suffix = [m for suffix in leaf.name_suffixes for n, m in named.items() if n.endswith(suffix)]
+    by_name, missing_names = set_z3_leaf_modules_by_name(model, leaf.names, raise_if_not_found=False)
+    by_suffix, missing_suffixes = set_z3_leaf_modules_by_suffix(model, leaf.name_suffixes, raise_if_not_found=False)
     for m in by_name + by_suffix:
-        setattr(m, _LEAF_ATTR, True)
         marked.setdefault(id(m), m)
-    unmatched = ([n for n in leaf.names if n not in named]
-                 + [x for x in leaf.name_suffixes if not any(n.endswith(x) for n in named)])
+    unmatched = missing_names + missing_suffixes
     if unmatched:
         logger.warning("zeroshard: zero_optimization.leaf_module: no module named %s", unmatched)
     if not marked and tuple(leaf.classes) != DEFAULT_LEAF_MODULE_CLASSES:

@@ -4,11 +4,18 @@
 accessors of sharded parameters, gradients and optimizer states (:mod:`.tensor_fragment`),
 with ``safe_update_full_grad_vectorized``, ``set_z3_leaf_modules`` (with ``unset_z3_leaf_modules``,
 ``z3_leaf_module``, ``get_z3_leaf_modules``, and by module name ``set_z3_leaf_modules_by_name``,
-``set_z3_leaf_modules_by_suffix``, :mod:`.leaf_modules`) and ``RepeatingLoader``.
+``set_z3_leaf_modules_by_suffix``) and ``RepeatingLoader``.
 """
 
-from zeroshard.stages.units import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
-from zeroshard.utils.leaf_modules import set_z3_leaf_module, set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix
+from zeroshard.stages.units import (
+    get_z3_leaf_modules,
+    set_z3_leaf_module,
+    set_z3_leaf_modules,
+    set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+)
 from zeroshard.utils.logging import log_dist, logger
 from zeroshard.utils.repeating_loader import RepeatingLoader
 from zeroshard.utils.tensor_fragment import (

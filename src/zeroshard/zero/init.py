@@ -100,12 +100,12 @@ class Init:
         return self
 
     def _on_register(self, module: torch.nn.Module, name: str, param: torch.nn.Parameter) -> Any:
-        if self._paused or isinstance(param, LazyShardTensor) or param is None:
-            if not self._paused:
-                self._created.append((module, name))
+        if self._paused:
             return None
         self._created.append((module, name))
-        if param.device.type == "meta":  # no values yet (torch.nn.utils.skip_init): partitioned when settled
+        # already lazy (a parameter registered on a second module), or without values yet
+        # (torch.nn.utils.skip_init's meta device: partitioned when settled)
+        if param is None or isinstance(param, LazyShardTensor) or param.device.type == "meta":
             return None
         return self._lazy(param)
 
