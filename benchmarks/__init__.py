@@ -1,6 +1,7 @@
-"""Side-by-side benchmarks of zeroshard against DeepSpeed, DDP, ZeroRedundancyOptimizer and FSDP2.
+"""Benchmarks of zeroshard: the side-by-side comparison with DeepSpeed, DDP, ZeroRedundancyOptimizer and
+FSDP2 (``run.py``, built on :mod:`benchmarks.harness`), and single-question studies
+(:mod:`benchmarks.studies`, one results file each in ``benchmarks/results/``).
 
-Entry point: ``python benchmarks/run.py`` (see ``benchmarks/README.md``). Nothing in this package
-imports torch at module level except the worker-side modules (``worker``, ``workload``, ``systems``),
-so that the worker can time ``import torch`` honestly.
+Entry points: ``python benchmarks/run.py``, ``python benchmarks/report.py``, ``python
+benchmarks/studies/<study>.py`` and ``bash benchmarks/gpu.sh`` (see ``benchmarks/README.md``).
 """

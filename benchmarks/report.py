@@ -1,62 +1,20 @@
-"""Write one run's results: JSON, the markdown report and the PNG chart.
-
-Also a command that re-renders the markdown and the chart from a results JSON (after editing the
-report code, say) without running anything:
+"""Re-render the comparison's markdown report and chart from a results JSON, running nothing (after
+editing the report code, say):
 
     python benchmarks/report.py [benchmarks/results/cpu.json] [--markdown benchmarks/RESULTS.md]
+
+The JSON's own folder gets the chart; the markdown goes where ``run.py`` would put it.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
-from typing import Any
 
-if __package__ in (None, ""):
+if __package__ in (None, ""):  # `python benchmarks/report.py`: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.derive import derive
-from benchmarks.tables import markdown, rel_path
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def default_markdown(device: str, out: Path) -> Path:
-    """``benchmarks/RESULTS.md`` for CPU runs, ``<out>/RESULTS-<device>.md`` otherwise."""
-    return REPO / "benchmarks" / "RESULTS.md" if device == "cpu" else out / f"RESULTS-{device}.md"
-
-
-def write_reports(results: list[dict[str, Any]], meta: dict[str, Any], out: Path,
-                  markdown_path: Path | None = None) -> list[Path]:
-    """Write ``<out>/<device>.json``, the markdown report and the chart; return the paths written."""
-    from benchmarks.chart import draw
-
-    device = meta["device"]
-    rows = derive(results)
-    out.mkdir(parents=True, exist_ok=True)
-    js = out / f"{device}.json"
-    js.write_text(json.dumps({"meta": meta, "results": rows}, indent=1, default=str))
-    md_path = markdown_path or default_markdown(device, out)
-    chart = out / ("chart.png" if device == "cpu" else f"chart-{device}.png")
-    machine = f"{meta['cpu']}, {meta['cpu_cores']} cores" if device == "cpu" else ", ".join(meta["gpus"])
-    chart_note = draw(rows, chart, machine)
-    md_path.write_text(markdown(rows, meta, rel_path(chart, md_path.parent), chart_note))
-    return [js, md_path] + ([chart] if chart_note is None else [])
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Re-render the markdown and chart of an earlier run from its JSON."""
-    p = argparse.ArgumentParser(description="Re-render RESULTS.md and the chart from a results JSON.")
-    p.add_argument("json", nargs="?", type=Path, default=REPO / "benchmarks" / "results" / "cpu.json")
-    p.add_argument("--markdown", type=Path, help="where to write the markdown (default as run.py)")
-    args = p.parse_args(argv)
-    data = json.loads(args.json.read_text())
-    for path in write_reports(data["results"], data["meta"], args.json.parent, args.markdown):
-        print(f"wrote {path}")
-    return 0
-
+from benchmarks.harness.report import main
 
 if __name__ == "__main__":
     sys.exit(main())

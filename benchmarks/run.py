@@ -27,11 +27,11 @@ from typing import Any
 if __package__ in (None, ""):  # `python benchmarks/run.py`: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.launch import REPO, run_job
-from benchmarks.machine import describe
-from benchmarks.plan import attach_paired, placeholder, plan
-from benchmarks.report import write_reports
-from benchmarks.spec import SIZES, SYSTEM_LABELS, SYSTEMS, Job
+from benchmarks.harness.launch import REPO, run_job
+from benchmarks.harness.machine import describe
+from benchmarks.harness.plan import attach_paired, placeholder, plan
+from benchmarks.harness.report import write_reports
+from benchmarks.harness.spec import SIZES, SYSTEM_LABELS, SYSTEMS, Job
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated systems (default: all)")
     p.add_argument("--stages", default="0,1,2,3", help="ZeRO stages for zeroshard and DeepSpeed")
     p.add_argument("--offload", action="store_true",
-                   help="also run the 2+offload and 3+offload variants, and (CPU) benchmarks/offload.py")
+                   help="also run the 2+offload and 3+offload variants, and (CPU) benchmarks/studies/offload.py")
     p.add_argument("--paired", action=argparse.BooleanOptionalAction, default=None,
                    help="time the systems of each stage side by side (default: on, off with --quick)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -143,11 +143,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _offload_section(args: argparse.Namespace) -> bool:
-    """``--offload`` on CPU: run ``benchmarks/offload.py`` (zeroshard and DeepSpeed, CPU and NVMe offload,
+    """``--offload`` on CPU: run ``benchmarks/studies/offload.py`` (zeroshard and DeepSpeed, CPU and NVMe offload,
     I/O bounds, parity), write ``<out>/offload.md`` and append it to the markdown report. (``report.py``
     re-renders the report without it.) False when a zeroshard offload run failed."""
-    from benchmarks.offload import main as offload_main
-    from benchmarks.report import default_markdown
+    from benchmarks.harness.report import default_markdown
+    from benchmarks.studies.offload import main as offload_main
 
     out = args.out / "offload.md"
     ok = offload_main(["--out", str(out)]) == 0

@@ -1,6 +1,6 @@
 """A process's real resident memory, for the memory tests: current and peak RSS from /proc.
 
-:func:`status` and :func:`resident` are the benchmarks' readers (``benchmarks/proc_memory.py``);
+:func:`status` and :func:`resident` are the benchmarks' readers (``benchmarks/harness/proc_memory.py``);
 the tests' peak reset is stricter than theirs (it fails where the kernel refuses, and collects
 garbage first).
 """
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for benchmarks/
-from benchmarks.proc_memory import resident, status  # noqa: E402
+from benchmarks.harness.proc_memory import resident, status  # noqa: E402
 
 __all__ = ["reset_peak", "resident", "status"]
 

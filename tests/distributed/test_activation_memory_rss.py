@@ -13,7 +13,7 @@ recommends for CPU training (``MALLOC_MMAP_THRESHOLD_=131072``; set here with ``
 the ranks fork from a process whose allocator is already running). With glibc's default the
 threshold rises with the first large free, the activations then come from the heap, and the same
 checkpointed stage-3 run peaked at 134-291 MiB on one rank or the other from run to run, against
-75-77 MiB with the setting (``benchmarks/PROFILE.md``): the test would measure the allocator's
+75-77 MiB with the setting (``docs/performance.md``): the test would measure the allocator's
 luck, not what checkpointing holds. The byte-exact accounting (inputs held, halved by
 ``partition_activations``) is in ``test_activation_checkpointing.py``.
 """
@@ -32,7 +32,7 @@ from harness import run_distributed
 from torch import nn
 
 import zeroshard
-from benchmarks.activation_memory import saved_for_backward
+from benchmarks.studies.activation_memory import saved_for_backward
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 
@@ -66,7 +66,7 @@ class MLPStack(nn.Module):
 
 
 def saved_bytes(checkpointed: bool) -> int:
-    """Bytes held for backward after one forward (``benchmarks/activation_memory.py``'s measure)."""
+    """Bytes held for backward after one forward (``benchmarks/studies/activation_memory.py``'s measure)."""
     torch.manual_seed(0)
     model = MLPStack(checkpointed)
     x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))

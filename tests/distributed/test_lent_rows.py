@@ -1,5 +1,5 @@
 """fp32 ZeRO-3 on the CPU hands a gathered unit's row of the master shard back to the system while
-the unit is gathered for training (``zeroshard.stages.lent_rows``). Checked in real 2-rank runs:
+the unit is gathered for training (``zeroshard.core.zero3.lent_rows``). Checked in real 2-rank runs:
 the process really holds less (the master buffer's resident pages, from ``mincore(2)``),
 training reaches plain PyTorch's parameters, and everything that reads or writes the masters while
 rows are lent (``safe_get_*``, ``state_dict()``, a checkpoint saved after an evaluation forward,
@@ -226,7 +226,7 @@ def test_prefetched_units_lend_their_rows_before_their_forward() -> None:
     """At the start of forward the default prefetch has every unit's all-gather in flight. Their
     rows are lent as the gathers start, not when each unit's forward waits for it: else the rank
     holds the gathered model and its own rows together, 1/N of the model above the end of forward
-    (``benchmarks/PROFILE.md``)."""
+    (``docs/performance.md``)."""
     ref = reference(**WIDE)
     ref_flat = torch.cat([t.reshape(-1) for t in ref.values()])
     # this rank's rows of up (weight 164,160 + bias 257 elements) and down (164,160 + 320)

@@ -16,7 +16,7 @@ warm-up run before the baseline loads the code paths (shared-library pages count
   and at the setting that matches FSDP2's ``reshard_after_forward=True`` (README, "Memory");
   zeroshard's reduce buckets are 2M elements. Before zeroshard kept its own large buffers and
   gloo's all-gathers out of malloc's heap, this held only with ``ZEROSHARD_MALLOC_TRIM=1``
-  (benchmarks/PROFILE.md).
+  (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Resident memory of ZeRO-3 ``from_pretrained`` (issue 13): the worker that measures it, shared by
-``tests/hf/test_hf_from_pretrained_memory.py`` and ``benchmarks/hf_from_pretrained_memory.py``.
+``tests/hf/test_hf_from_pretrained_memory.py`` and ``benchmarks/studies/hf_from_pretrained_memory.py``.
 
 Each rank loads the same saved model twice in one process: first partitioned (a live
 ``HfDeepSpeedConfig`` at stage 3: transformers builds the model under ``zero.Init`` and copies the
@@ -97,7 +97,7 @@ def _measured_load(path: str) -> tuple[torch.nn.Module, dict[str, int]]:
     ``base``, the RSS it grows from)."""
     from transformers import AutoModelForCausalLM
 
-    from zeroshard import host_memory
+    from zeroshard.core import host_memory
 
     gc.collect()
     host_memory.trim()  # start from a heap without free pages kept from before
@@ -112,7 +112,7 @@ def _measured_load(path: str) -> tuple[torch.nn.Module, dict[str, int]]:
 
 def _held(model: torch.nn.Module) -> list[torch.Tensor]:
     """The parameter values this rank holds: its ``zero.Init`` chunks, or the whole parameters."""
-    from zeroshard.partition import INIT_CHUNK_ATTR
+    from zeroshard.core.partition import INIT_CHUNK_ATTR
 
     return [getattr(p, INIT_CHUNK_ATTR, p.data) for p in model.parameters()]
 
@@ -132,7 +132,7 @@ def _chunk_sums(model: torch.nn.Module) -> dict[str, float]:
     whole loaded tensor, to check that the partitioned load loaded the checkpoint's values."""
     import torch.distributed as dist
 
-    from zeroshard.partition import INIT_CHUNK_ATTR
+    from zeroshard.core.partition import INIT_CHUNK_ATTR
 
     names = [n for n, _ in model.named_parameters()]
     chunks = [getattr(p, INIT_CHUNK_ATTR) for p in model.parameters()]
