@@ -6,7 +6,7 @@ twice in one CI run (a script that never destroys its group, and, most likely, a
 other node then waited 300 s in torchrun's exit barrier) and once here in a script that calls
 ``destroy_process_group`` after a barrier (1 of about 14 runs of ``test_multinode``); not reproduced
 in 140 launches of the same scripts run by hand. zeroshard now destroys a group it created at exit
-(``zeroshard.comm.groups``), which torch's own tests needed for this abort (pytorch/pytorch#65231),
+(``zeroshard.core.comm.groups``), which torch's own tests needed for this abort (pytorch/pytorch#65231),
 but the abort after an explicit destroy remains torch's.
 
 The launcher tests check what a job computed. When every rank wrote its "done" marker (its last

@@ -21,13 +21,13 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from zeroshard.accelerator import get_accelerator
-    from zeroshard.comm.groups import init_distributed
+    from zeroshard.core.comm.groups import init_distributed
     from zeroshard.engine import ZeroEngine
     from zeroshard.initialize import initialize
 
 _LAZY: dict[str, tuple[str, str | None]] = {
     "initialize": ("zeroshard.initialize", "initialize"),
-    "init_distributed": ("zeroshard.comm.groups", "init_distributed"),
+    "init_distributed": ("zeroshard.core.comm.groups", "init_distributed"),
     "ZeroEngine": ("zeroshard.engine", "ZeroEngine"),
     "get_fp32_state_dict_from_zero_checkpoint": (
         "zeroshard.checkpoint.consolidate", "get_fp32_state_dict_from_zero_checkpoint"),

@@ -14,10 +14,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeroshard.comm import agreement
-from zeroshard.comm import collectives as C
-from zeroshard.comm.groups import local_rank
-from zeroshard.comm.watchdog import guarded
+from zeroshard.core.clock import StepClock
+from zeroshard.core.comm import agreement
+from zeroshard.core.comm import collectives as C
+from zeroshard.core.comm.groups import local_rank
+from zeroshard.core.comm.watchdog import guarded
+from zeroshard.core.precision import LossScaler, PrecisionPolicy
+from zeroshard.core.zero_optimizer import ZeroOptimizer
 from zeroshard.engine_api import DeepSpeedEngineAPI
 from zeroshard.monitor import MonitorMaster, Reporter
 from zeroshard.monitor.comms import CommsLogger
@@ -25,11 +28,15 @@ from zeroshard.monitor.ds_timers import ThroughputTimer
 from zeroshard.monitor.gather_timing import time_forward_gathers
 from zeroshard.monitor.timers import WallClockTimers
 from zeroshard.optim.no_optimizer import NoOptimizer
-from zeroshard.precision import LossScaler, PrecisionPolicy
 from zeroshard.profiling import FlopsProfiler, RunInfo
-from zeroshard.stages import ZeroOptimizer
+from zeroshard.window import AccumulationWindow
 
 logger = logging.getLogger("zeroshard")
+
+
+def _window_field(name: str, doc: str) -> Any:
+    """A counter of the engine's :class:`~zeroshard.window.AccumulationWindow`, under its DeepSpeed name."""
+    return property(lambda self: getattr(self.window, name), lambda self, v: setattr(self.window, name, v), doc=doc)
 
 
 class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
@@ -56,7 +63,8 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
                                      f"has an attribute {name!r}") from None
 
     def __init__(self, module: torch.nn.Module, optimizer: ZeroOptimizer, config: Any,
-                 policy: PrecisionPolicy, lr_scheduler: Any, group: dist.ProcessGroup | None) -> None:
+                 policy: PrecisionPolicy, lr_scheduler: Any, group: dist.ProcessGroup | None,
+                 clock: StepClock | None = None) -> None:
         super().__init__()
         self.module = module
         self.optimizer = optimizer
@@ -68,15 +76,8 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
         self.global_rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = C.world_size(group)
         self.local_rank = local_rank()
-        self.global_steps = 0
-        self.global_samples = 0
-        self.micro_steps = 0
-        self.skipped_steps = 0
-        self._forwards = 0  # in this accumulation window (ZeRO-3 only), for the agreement check
-        self._extra_steps_warned = False
-        self._backwards = 0
-        self._window_loss = torch.zeros((), dtype=torch.float32, device=self.device)
-        self._window_count = 0
+        #: the accumulation window: counters, boundary, the window's forwards, backwards and losses
+        self.window = AccumulationWindow(self.gradient_accumulation_steps, clock or StepClock(), self.device)
         self._frozen_at_initialize = [(n, p) for n, p in module.named_parameters()
                                       if p not in optimizer.master.views and not p.requires_grad]
         self.timers = WallClockTimers(enabled=bool(config.wall_clock_breakdown), device=self.device)
@@ -84,12 +85,8 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
         #: (``update_epoch_count()``, ``avg_samples_per_sec()``); it never logs: the step log reports throughput
         self.tput_timer = ThroughputTimer(config.timers.throughput, batch_size=self.train_batch_size())
         #: ZeRO-3's parameter coordinator (``None`` at stages 0-2)
-        self._coordinator = getattr(optimizer, "coordinator", None)
-        if self._coordinator is not None:  # its errors name the step
-            self._coordinator.step = lambda: self.global_steps
-            swap = getattr(getattr(optimizer, "shard", None), "swap", None)
-            if swap is not None:  # NVMe parameter offload: its I/O errors name the step too
-                swap.step = lambda: self.global_steps
+        self._coordinator = optimizer.coordinator
+        if self._coordinator is not None:
             time_forward_gathers(list(self._coordinator.module_units), self.timers)
         #: the config's monitors (TensorBoard, CSV, W&B, Comet); they write from rank 0
         self.monitor = MonitorMaster(config, self.global_rank)
@@ -117,9 +114,13 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-step ends an accumulation window (the next ``step`` updates): the
         value of :meth:`set_gradient_accumulation_boundary` once called, else the micro-step count."""
-        if self._boundary_override is not None:
-            return self._boundary_override
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+        return self.window.is_boundary()
+
+    # DeepSpeed's counters on the engine, read (and by checkpoint loading, written) through the window
+    global_steps = _window_field("global_steps", "Optimizer steps taken (applied or skipped).")
+    micro_steps = _window_field("micro_steps", "Micro-steps (``step()`` calls) since training began.")
+    global_samples = _window_field("global_samples", "Samples trained on, over all ranks.")
+    skipped_steps = _window_field("skipped_steps", "Optimizer steps skipped for non-finite gradients.")
 
     def get_lr(self) -> list[float]:
         """Current learning rate of each param group."""
@@ -190,7 +191,7 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
         if self._coordinator is not None:
             self._coordinator.start_pass()
             if torch.is_grad_enabled():
-                self._forwards += 1  # stages 0-2 may run forwards on some ranks only (no collectives)
+                self.window.forwards += 1  # stages 0-2 may run forwards on some ranks only (no collectives)
         self.reporter.count_forward(args, kwargs)
         self.tput_timer.start()  # DeepSpeed's dataloader starts it when it has one (data loading counts there)
         profiled = self.flops_profiler.forward(self.global_steps) if self.flops_profiler is not None else nullcontext()
@@ -204,19 +205,17 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
         Returns the loss divided by the accumulation steps (with ``scale_wrt_gas``), as DeepSpeed;
         the engine logs the loss as given. Inside :meth:`no_sync` gradients are not reduced.
         """
-        # Kept on the device: a .item() here would sync the accelerator every micro-step.
-        self._window_loss += loss.detach().float().sum()
-        self._window_count += 1
+        self.window.add_loss(loss)
         # under the caller's no_grad too: loss.backward() works there in plain PyTorch, as the loss's graph exists
         with torch.enable_grad():
             gas_scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
             scaled = gas_scaled
             if self.scaler.scale != 1.0:
                 scaled = scaled.float() * self.scaler.scale
-        boundary = self.is_gradient_accumulation_boundary() and not self.inside_no_sync_ctxt
-        if boundary or self.zero_optimization_stage() >= 2:  # before this backward reduces anything
+        boundary = self.window.is_boundary() and not self.window.no_sync
+        if boundary or self.optimizer.sync.reduces_every_micro_step:  # before this backward reduces anything
             self._check_agreement()
-        self._backwards += 1
+        self.window.backwards += 1
         with self.timers("backward"):
             self.optimizer.start_backward(boundary)
             scaled.backward(retain_graph=retain_graph)
@@ -227,12 +226,12 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
     def _check_agreement(self, kind: int = agreement.BACKWARD) -> None:
         """Before this backward reduces gradients (or a checkpoint is saved): every rank is at the
         same micro-step and ran as many forwards and backwards (and under ZeRO-3 gathered the same
-        units) in this window (:mod:`zeroshard.comm.agreement`)."""
+        units) in this window (:mod:`zeroshard.core.comm.agreement`)."""
         co = self._coordinator
-        ga = self.gradient_accumulation_steps()
-        values = [self.global_steps, self.micro_steps % ga, self._forwards, self._backwards,
-                  co.window_hash if co is not None else 0]
-        where = f"micro-step {self.micro_steps % ga + 1} of {ga} of optimizer step {self.global_steps}"
+        w = self.window
+        ga = w.accumulation_steps
+        values = [w.global_steps, w.position, w.forwards, w.backwards, co.window_hash if co is not None else 0]
+        where = f"micro-step {w.position + 1} of {ga} of optimizer step {self.global_steps}"
         if kind == agreement.SAVE:
             where = f"save_checkpoint after optimizer step {self.global_steps}"
         agreement.check(values, self.group, where, co.window_log if co is not None else None,
@@ -245,60 +244,47 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
 
         Between boundaries it only counts the micro-step.
         """
-        if self.inside_no_sync_ctxt:
+        w = self.window
+        if w.no_sync:
             raise RuntimeError("engine.step() inside no_sync() is illegal (as in DeepSpeed): leave the block first")
-        self._step_applied = False
+        w.step_applied = False
         if isinstance(self.optimizer.optimizer, NoOptimizer):
             # An evaluation engine refuses here, at every micro-step: with nothing trained (a model
             # frozen whole) the optimizer step below would never call it.
             self.optimizer.optimizer.step()
-        boundary = self.is_gradient_accumulation_boundary()
+        boundary = w.is_boundary()
         self.tput_timer.stop(global_step=boundary, report_speed=False)
-        # this window's step() calls so far, this one included (one when the boundary was set by hand)
-        step_calls = self.micro_steps % self.gradient_accumulation_steps() + 1
-        if boundary and step_calls > self._backwards and not self._extra_steps_warned:
-            self._extra_steps_warned = True  # DeepSpeed is silent: the window ends early, on fewer gradients
+        if boundary and w.first_extra_step():  # DeepSpeed is silent: the window ends early, on fewer gradients
             logger.warning("engine.step() was called %d times for %d engine.backward() calls in this accumulation "
                            "window of %d micro-steps: each step() call counts one micro-step, so the optimizer "
                            "steps on fewer micro-batches than gradient_accumulation_steps says. Call "
-                           "engine.step() once after each engine.backward(loss)", step_calls,
-                           self._backwards, self.gradient_accumulation_steps())
+                           "engine.step() once after each engine.backward(loss)", w.step_calls(),
+                           w.backwards, w.accumulation_steps)
         if not boundary:
-            self.micro_steps += 1
+            w.count_micro_step()
             return
-        # The counter starts the next window (m + 1 when counting decides the boundary); with a boundary
-        # set by hand, fewer step() calls than accumulation steps may have come (accelerate's one per window).
-        ga = self.gradient_accumulation_steps()
-        self.micro_steps = (self.micro_steps // ga + 1) * ga
+        w.close()
         self._new_window()
         self._check_stray_gradients()
         self._check_unused_parameters()
         self._check_unfrozen_parameters()
         self._log_memory("before step")
         with self.timers("step"):
-            self.optimizer.engine_stepping = True
             try:
-                applied = self.optimizer.step()
+                applied = self.optimizer.step(by_engine=True)
             except FloatingPointError as e:  # fp16 overflow at the minimum loss scale
                 raise FloatingPointError(f"optimizer step {self.global_steps}: {e}{self._culprit()}") from None
-            finally:
-                self.optimizer.engine_stepping = False
-        self._step_applied = bool(applied)
-        if applied:
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step(**(lr_kwargs or {}))
-        else:
-            self.skipped_steps += 1
-            if not getattr(self.scaler, "dynamic", False):  # fp16's dynamic scaler reports its own
-                self._non_finite()
-        self.global_steps += 1
-        self.global_samples += self.train_batch_size()
+        if applied and self.lr_scheduler is not None:
+            self.lr_scheduler.step(**(lr_kwargs or {}))
+        if not applied and not getattr(self.scaler, "dynamic", False):  # fp16's dynamic scaler reports its own
+            self._non_finite()
+        w.stepped(bool(applied), self.train_batch_size())
         self._report(applied)
         if self.flops_profiler is not None:
             self.flops_profiler.step_done(self.global_steps - 1)  # reports the profiled step
 
     def _new_window(self) -> None:
-        self._forwards = self._backwards = 0
+        self.window.restart()
         if self._coordinator is not None:
             self._coordinator.new_window()
 
@@ -332,9 +318,8 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
         """After each optimizer step: its mean loss (on the device) and numbers go to the reporter,
         which logs every ``steps_per_print`` steps and feeds the monitors."""
         if self.reporter.active:
-            self.reporter.step_done(self, self._window_loss / max(self._window_count, 1), applied)
-        self._window_loss.zero_()
-        self._window_count = 0
+            self.reporter.step_done(self, self.window.mean_loss(), applied)
+        self.window.clear_losses()
 
     # -- checkpoints (implemented in zeroshard.checkpoint) -----------------------------------------
     @property
@@ -391,7 +376,6 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
             # The loaded step starts a whole window (see checkpoint/load.py): gradients and losses of a
             # window in progress here belong to the training being replaced, not to the first step after it.
             self.zero_grad()
-            self._window_loss.zero_()
-            self._window_count = 0
+            self.window.clear_losses()
         self._new_window()
         return result

@@ -20,25 +20,29 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.activations import configure_from_initialize as _configure_activation_checkpointing
-from zeroshard.comm import collectives as C
-from zeroshard.comm import watchdog
-from zeroshard.comm.groups import init_distributed, local_rank
 from zeroshard.config import ZeroshardConfig, load_config, to_dict
 from zeroshard.config.no_effect import warn_no_effect
-from zeroshard.device import default_device
+from zeroshard.core.build import build_stage
+from zeroshard.core.clock import StepClock
+from zeroshard.core.comm import collectives as C
+from zeroshard.core.comm import watchdog
+from zeroshard.core.comm.groups import init_distributed, local_rank
+from zeroshard.core.device import default_device
+from zeroshard.core.offload import OffloadPolicy
+from zeroshard.core.partition import full_numel
+from zeroshard.core.precision import PrecisionPolicy, make_loss_scaler
+from zeroshard.core.zero3.units import apply_leaf_module_config, mark_fine_grained_leaves
+from zeroshard.core.zero_optimizer import StageSpec, ZeroOptimizer
 from zeroshard.engine import ZeroEngine
 from zeroshard.errors import ConfigError, NotYetSupportedError, ZeroshardError
 from zeroshard.model_checks import check_model
 from zeroshard.monitor.logs import install_default_handler
-from zeroshard.offload import OffloadPolicy
 from zeroshard.optim import build_optimizer, build_scheduler
 from zeroshard.optim.no_optimizer import NoOptimizer
 from zeroshard.optim.shape_dependent import refuse_shape_dependent
-from zeroshard.partition import full_numel
-from zeroshard.precision import PrecisionPolicy, make_loss_scaler
-from zeroshard.stages import Stage3Optimizer, StageSpec, ZeroOptimizer
-from zeroshard.stages.units import apply_leaf_module_config, mark_fine_grained_leaves
+from zeroshard.zero.external import add_external_parameters_accessor
 from zeroshard.zero.init import materialize_init_params, outside_init
+from zeroshard.zero.param_attrs import DEEPSPEED_PARAM_ATTRS
 
 logger = logging.getLogger("zeroshard")
 
@@ -178,20 +182,21 @@ def initialize(
                        "skip such steps")
     scaler = make_loss_scaler(cfg.fp16)
     offload = OffloadPolicy.from_config(cfg)
-    zero_opt = (
-        Stage3Optimizer(model, param_groups, spec, policy, scaler, group, device, offload)
-        if spec.stage == 3
-        else ZeroOptimizer(param_groups, spec, policy, scaler, group, device, offload)
-    )
+    clock = StepClock()
+    trains = optimizer is not None or cfg.optimizer is not None
+    zero_opt = build_stage(model, param_groups, spec, policy, scaler, group, device, offload,
+                           scaling=_reduce_scaling(cfg, C.world_size(group)), trains=trains, clock=clock,
+                           observer=DEEPSPEED_PARAM_ATTRS)
     try:  # a failure from here on (a bad optimizer or scheduler, auto_resume) must not leave swap files behind
+        if spec.stage == 3:
+            add_external_parameters_accessor(model)  # DeepSpeed's module.ds_external_parameters()
         if policy.param_dtype != torch.float32:
             model.to(policy.param_dtype)
         zero_opt.note_parameter_data()
-        zero_opt.sync.scaling = _reduce_scaling(cfg, C.world_size(group))
         _bind_optimizer(zero_opt, optimizer, cfg)
         scheduler = _scheduler(lr_scheduler, zero_opt, cfg)
         loader = _dataloader(training_data, cfg, collate_fn, group)
-        engine = ZeroEngine(model, zero_opt, cfg, policy, scheduler, group)
+        engine = ZeroEngine(model, zero_opt, cfg, policy, scheduler, group, clock)
         engine.training_dataloader = loader
         engine.collate_fn = collate_fn  # deepspeed_io's default, as in DeepSpeed
         if cfg.checkpoint.auto_resume:

@@ -372,7 +372,7 @@ def _rank_seeded_model(rank: int) -> torch.nn.Module:
 
 
 def broadcast_worker(rank: int, world: int) -> dict:
-    from zeroshard.comm.collectives import broadcast_coalesced
+    from zeroshard.core.comm.collectives import broadcast_coalesced
 
     out = {}
     for stage in (0, 2):

@@ -26,8 +26,8 @@ from harness import log_lines, run_distributed
 from models import make_model
 
 import zeroshard
-from zeroshard.comm import collectives as C
 from zeroshard.config import load_config
+from zeroshard.core.comm import collectives as C
 from zeroshard.errors import ConfigError
 from zeroshard.monitor import comms
 from zeroshard.monitor.comms import CommsLogger, bus_factor, trim_mean

@@ -16,7 +16,7 @@ from tests.harness import run_distributed
 
 def regroup_worker(rank: int, world: int, workdir: str) -> list[bool]:
     import zeroshard
-    from zeroshard.comm import watchdog
+    from zeroshard.core.comm import watchdog
 
     follows = []
     for trial in range(3):

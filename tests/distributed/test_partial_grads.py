@@ -17,7 +17,7 @@ from harness import run_distributed
 from torch import nn
 
 import zeroshard
-from zeroshard.stages.grad_sync import MAX_BUFFERS
+from zeroshard.core.grad_sync import MAX_BUFFERS
 
 DIM, OUT, STEPS, GA, MB, LR = 15, 7, 8, 2, 3, 1e-2
 WORLD = 2

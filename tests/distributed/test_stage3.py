@@ -250,7 +250,7 @@ def test_model_larger_than_budget_builds_and_trains() -> None:
 
 #: (hidden size, ZeRO-3 settings): a budget of a few units (gathered again in backward), and the
 #: default budget holding the model, where every unit is gathered once per pass and lends its
-#: row of the fp32 shard (``zeroshard.stages.lent_rows``; rows of several pages at width 128)
+#: row of the fp32 shard (``zeroshard.core.zero3.lent_rows``; rows of several pages at width 128)
 LLAMA_VARIANTS = {
     "tight": (32, {"stage3_max_live_parameters": 3000, "stage3_prefetch_bucket_size": 3000}),
     "lent": (128, {}),

@@ -22,8 +22,8 @@ from harness import log_lines, run_distributed
 from models import gathered_weights, relative_distance
 
 import zeroshard
-from zeroshard.comm import collectives as C
-from zeroshard.comm import subset
+from zeroshard.core.comm import collectives as C
+from zeroshard.core.comm import subset
 from zeroshard.errors import DistributedError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))

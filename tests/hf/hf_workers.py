@@ -69,7 +69,7 @@ def fresh_accelerate_state() -> None:
 def _partitioned(model: torch.nn.Module, world: int, frozen_only: bool = False) -> bool:
     """Every parameter (every frozen one) is a ZeRO-3 placeholder carrying DeepSpeed's attributes,
     holding only this rank's chunk."""
-    from zeroshard.partition import INIT_CHUNK_ATTR, full_shape
+    from zeroshard.core.partition import INIT_CHUNK_ATTR, full_shape
 
     for p in model.parameters():
         if frozen_only and p.requires_grad:

@@ -1,4 +1,4 @@
-"""Unit tests of the NVMe offload I/O engine: zeroshard.offload.aio and zeroshard.offload.swap_files."""
+"""Unit tests of the NVMe offload I/O engine: zeroshard.core.offload.aio and zeroshard.core.offload.swap_files."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import torch
 
+from zeroshard.core.offload.aio import ALIGNMENT, AsyncIO, SwapFile, aligned_empty, check_free_space
+from zeroshard.core.offload.swap_files import _host, remove_swap_dir, round_up, swap_dir
 from zeroshard.errors import ConfigError, OffloadIOError
-from zeroshard.offload.aio import ALIGNMENT, AsyncIO, SwapFile, aligned_empty, check_free_space
-from zeroshard.offload.swap_files import _host, remove_swap_dir, round_up, swap_dir
 
 MODES = ["direct", "buffered"]
 
@@ -412,7 +412,7 @@ def test_swap_dirs_of_dead_processes_of_this_host_are_removed(tmp_path: Path,
 def test_swap_dir_removed_at_clean_exit_and_left_by_a_crash(tmp_path: Path) -> None:
     script = (
         "import os, sys; from pathlib import Path;"
-        "from zeroshard.offload.aio import SwapFile, swap_dir;"
+        "from zeroshard.core.offload.aio import SwapFile, swap_dir;"
         "d = swap_dir(Path(sys.argv[1]), 3); SwapFile(d / 'f', 8192);"
         "print(d, flush=True);"
         "os._exit(0) if sys.argv[2] == 'crash' else None"

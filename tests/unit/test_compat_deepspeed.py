@@ -479,7 +479,7 @@ def test_base_optimizer_names_are_zeroshards_optimizer() -> None:
         import zeroshard.compat.deepspeed as layer
         layer.enable(shadow=True)
         from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer, ZeROOptimizer
-        from zeroshard.stages.stage3 import Stage3Optimizer
-        from zeroshard.stages.zero_optimizer import ZeroOptimizer
+        from zeroshard.core.zero3.stage3 import Stage3Optimizer
+        from zeroshard.core.zero_optimizer import ZeroOptimizer
         assert issubclass(Stage3Optimizer, DeepSpeedOptimizer) and issubclass(ZeroOptimizer, ZeROOptimizer)
     """)

@@ -311,7 +311,7 @@ def test_layer_presents_the_names() -> None:
         from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
         from deepspeed.runtime.zero.leaf_module_config import DEFAULT_LEAF_MODULE_CLASSES
         from zeroshard.errors import ConfigError, NotYetSupportedError
-        import zeroshard.runtime.zero.tiling as tiling, zeroshard.stages.units as units
+        import zeroshard.runtime.zero.tiling as tiling, zeroshard.core.zero3.units as units
 
         assert is_current_accelerator_supported() is True
         assert torch_info["version"] == ".".join(torch.__version__.split("+")[0].split(".")[:2])
@@ -367,7 +367,7 @@ def test_layer_presents_the_names() -> None:
         from deepspeed.checkpoint.ds_to_universal import main as convert_to_universal
         assert not isinstance(object(), DeepSpeedZeroOptimizer_Stage3)
         # the module parameter dict that gathers on read is zeroshard's GatheringParams
-        from zeroshard.stages.param_reads import GatheringParams
+        from zeroshard.core.zero3.param_reads import GatheringParams
         assert isinstance(ZeROOrderedDict(parent_module=None), GatheringParams)
         for internal in (DeepSpeedZeroOptimizer_Stage3, MultipleAllGatherHandles, convert_to_universal):
             try:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zeroshard import host_memory
+from zeroshard.core import host_memory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import rss  # noqa: E402
@@ -73,7 +73,7 @@ def test_zero3_training_on_cpu_trims_as_units_are_released(monkeypatch: pytest.M
     if host_memory._MALLOC_TRIM is None:
         pytest.skip("no malloc_trim in this C library")
     import zeroshard
-    from zeroshard.stages import coordinator
+    from zeroshard.core.zero3 import coordinator
 
     calls: list[int] = []
     monkeypatch.setattr(host_memory, "_MALLOC_TRIM", lambda pad: calls.append(pad) or 0)

@@ -65,7 +65,7 @@ def test_deepspeeds_module_path_of_the_helpers_resolves_to_zeroshards() -> None:
     """``from deepspeed.utils.z3_leaf_module import set_z3_leaf_modules`` under the compatibility layer."""
     code = ("import zeroshard.compat.deepspeed as c; c.enable(shadow=True)\n"
             "from deepspeed.utils.z3_leaf_module import set_z3_leaf_modules, z3_leaf_module\n"
-            "import torch, zeroshard.stages.units as u\n"
+            "import torch, zeroshard.core.zero3.units as u\n"
             "m = torch.nn.Sequential(torch.nn.Linear(2, 2))\n"
             "assert set_z3_leaf_modules is u.set_z3_leaf_modules and set_z3_leaf_modules(m, ['Linear']) == [m[0]]\n"
             "assert z3_leaf_module(m[0])\n")
@@ -89,7 +89,7 @@ def test_granularity_threshold_marks_as_deepspeed(threshold: int, expected: list
                                                   caplog: pytest.LogCaptureFixture) -> None:
     """``stage3_module_granularity_threshold``: parents first; containers (the Sequential), modules
     without children (the Linears) and modules without parameters (GELU) are never marked."""
-    from zeroshard.stages.units import mark_fine_grained_leaves
+    from zeroshard.core.zero3.units import mark_fine_grained_leaves
 
     model = nn.Sequential(Wide(), Block(), nn.Linear(3, 3))
     names = {id(m): n for n, m in model.named_modules()}

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from zeroshard.precision import DynamicLossScaler, LossScaler
+from zeroshard.core.precision import DynamicLossScaler, LossScaler
 
 CASES = [
     dict(init_scale=2.0**16, scale_window=1000, min_scale=1.0, hysteresis=2, consecutive_hysteresis=False),

@@ -7,7 +7,7 @@ from types import MappingProxyType
 
 import torch
 
-from zeroshard.precision.policy import PrecisionPolicy
+from zeroshard.core.precision.policy import PrecisionPolicy
 
 BF16 = PrecisionPolicy(param_dtype=torch.bfloat16)
 

@@ -28,11 +28,11 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
-from zeroshard import device as _device
 from zeroshard.activations import settings as _settings
 from zeroshard.activations.rng import get_cuda_rng_tracker
 from zeroshard.activations.settings import Settings
 from zeroshard.activations.storage import saved_inputs
+from zeroshard.core import device as _device
 
 __all__ = ["checkpoint", "non_reentrant_checkpoint"]
 

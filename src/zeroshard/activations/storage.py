@@ -30,7 +30,7 @@ import torch
 
 from zeroshard.activations import settings as _settings
 from zeroshard.activations.settings import Settings
-from zeroshard.comm import collectives as C
+from zeroshard.core.comm import collectives as C
 from zeroshard.errors import DistributedError
 
 __all__ = ["STATS", "SavedInputStats", "saved_inputs"]

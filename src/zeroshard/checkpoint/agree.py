@@ -12,7 +12,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from zeroshard.comm import collectives as C
+from zeroshard.core.comm import collectives as C
 from zeroshard.errors import CheckpointError
 
 T = TypeVar("T")

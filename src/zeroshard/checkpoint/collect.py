@@ -2,7 +2,7 @@
 
 The stages expose the fp32 master of each trained parameter as a 1-D view of the elements
 ``[lo, hi)`` of its flattened values (``optimizer.master.views``), with the geometry in the
-buckets' :class:`~zeroshard.partition.ShardLayout`. This module turns that into
+buckets' :class:`~zeroshard.core.partition.ShardLayout`. This module turns that into
 :class:`TrainedParam` records (name, global shape, range, param group) and classifies optimizer
 state, so save and load never touch stage internals beyond these few attributes.
 """
@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
+from zeroshard.core.partition import ShardLayout, full_shape
+from zeroshard.core.seam import the_unit, unit_of
 from zeroshard.errors import CheckpointError
-from zeroshard.partition import UNIT_ATTR, ShardLayout, full_shape
 
 SHARDED, SCALAR, NUMBER = "sharded", "scalar", "number"
 #: Param-group keys that choose an implementation rather than the math; a resume keeps the live ones.
@@ -80,7 +81,7 @@ class FrozenParam(StoredParam):
 def _global_shape(p: torch.nn.Parameter, numel: int) -> tuple[int, ...]:
     # Stage 3 keeps shapes on the parameter's unit, asked first: a released parameter's placeholder
     # has as many elements (none) as a full one of shape (11, 0), but not its shape.
-    unit = getattr(p, UNIT_ATTR, None)
+    unit = unit_of(p)
     if unit is not None:
         for q, shape in zip(unit.params, unit.shapes):
             if q is p:
@@ -124,7 +125,7 @@ def frozen_params(engine: Any, trained: list[TrainedParam]) -> list[FrozenParam]
             continue
         if shard is not None and p in shard.ranges:
             lo, hi = shard.ranges[p]
-            unit = getattr(p, UNIT_ATTR)
+            unit = the_unit(p)
             layout = unit.bucket.layouts[unit.position(p)]
             out.append(FrozenParam(name, p, tuple(full_shape(p)), layout.numel, lo, hi, layout.world, owner=shard))
         else:
@@ -164,7 +165,7 @@ def module_state(engine: Any) -> dict[str, Any]:
     """``engine.module.state_dict(keep_vars=True)`` without any collective, so that any subset of
     ranks may call it: ZeRO-3's partitioned parameters are left as their empty placeholders. Read
     only the keys, the buffers and the parameters that are not trained (never partitioned)."""
-    coordinator = getattr(engine.optimizer, "coordinator", None)
+    coordinator = engine.optimizer.coordinator
     with coordinator.placeholders() if coordinator is not None else nullcontext():
         return engine.module.state_dict(keep_vars=True)  # type: ignore[no-any-return]
 

@@ -26,8 +26,8 @@ from zeroshard.checkpoint.atomic import new_nonce
 from zeroshard.checkpoint.paths import resolve_checkpoint
 from zeroshard.checkpoint.safetensors_io import TensorSpec, write_safetensors
 from zeroshard.checkpoint.source import CheckpointSource, open_source
+from zeroshard.core.partition import consecutive_runs
 from zeroshard.errors import CheckpointError
-from zeroshard.partition import consecutive_runs
 
 logger = logging.getLogger("zeroshard")
 INDEX_FILE = "model.safetensors.index.json"

@@ -24,7 +24,7 @@ from zeroshard.checkpoint.agree import together
 from zeroshard.checkpoint.paths import resolve_checkpoint
 from zeroshard.checkpoint.rng import restore_rng
 from zeroshard.checkpoint.source import MASTER, CheckpointSource, open_source
-from zeroshard.comm import collectives as C
+from zeroshard.core.comm import collectives as C
 from zeroshard.errors import CheckpointError
 
 logger = logging.getLogger("zeroshard")

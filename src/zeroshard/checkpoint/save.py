@@ -48,7 +48,7 @@ from zeroshard.checkpoint.paths import LATEST_FILE, MARKER_FILE, META_FILE, mark
 from zeroshard.checkpoint.rng import capture_rng
 from zeroshard.checkpoint.safetensors_io import TensorSpec, write_safetensors
 from zeroshard.checkpoint.tags import agree_on_tag, check_tag, write_recovery_script
-from zeroshard.comm import collectives as C
+from zeroshard.core.comm import collectives as C
 from zeroshard.errors import ConfigError
 
 logger = logging.getLogger("zeroshard")

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from zeroshard.checkpoint.atomic import write_file_atomic
 from zeroshard.checkpoint.paths import LATEST_FILE, plain_tag
-from zeroshard.comm import collectives as C
+from zeroshard.core.comm import collectives as C
 from zeroshard.errors import CheckpointError, TagMismatchError
 
 logger = logging.getLogger("zeroshard")

@@ -147,7 +147,7 @@ def _async_io() -> Check:
     import tempfile
     from pathlib import Path
 
-    from zeroshard.offload.swap_files import SwapFile
+    from zeroshard.core.offload.swap_files import SwapFile
 
     with tempfile.TemporaryDirectory() as d:
         try:

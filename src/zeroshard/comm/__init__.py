@@ -6,7 +6,6 @@ own code uses :mod:`.collectives` (groups passed explicitly, async handles); :mo
 fail-fast guards for code that some ranks skip.
 """
 
-from zeroshard.comm.collectives import check_same_across_ranks, rank, world_size
 from zeroshard.comm.deepspeed_api import (
     ProcessGroup,
     ReduceOp,
@@ -38,7 +37,8 @@ from zeroshard.comm.deepspeed_api import (
     scatter,
     send,
 )
-from zeroshard.comm.subset import on_ranks, set_arrival_timeout
+from zeroshard.core.comm.collectives import check_same_across_ranks, rank, world_size
+from zeroshard.core.comm.subset import on_ranks, set_arrival_timeout
 
 __all__ = [
     "ProcessGroup",

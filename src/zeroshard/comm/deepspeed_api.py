@@ -5,7 +5,7 @@ DeepSpeed scripts call ``deepspeed.comm`` (``import deepspeed.comm as dist``) mu
 ``torch.distributed`` and, like zeroshard's own collectives (:mod:`.collectives`), are recorded
 for failure messages, refused inside a block that some ranks skip (:func:`on_ranks`), and counted
 by the communication logger (``comms_logger``). Outside a process group, ranks and sizes are
-those of a world of one, as in :func:`zeroshard.comm.collectives.rank`.
+those of a world of one, as in :func:`zeroshard.core.comm.collectives.rank`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeroshard.comm.collectives import _begin, _logged, _nbytes
-from zeroshard.comm.groups import init_distributed as init_distributed
+from zeroshard.core.comm.collectives import _begin, _logged, _nbytes
+from zeroshard.core.comm.groups import init_distributed as init_distributed
 
 ReduceOp = dist.ReduceOp
 ProcessGroup = dist.ProcessGroup

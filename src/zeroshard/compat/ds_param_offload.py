@@ -2,7 +2,7 @@
 
 DeepSpeed replaces a ZeRO-3 module's ``_parameters`` with a ``ZeROOrderedDict`` whose item access
 gathers a parameter read outside its own module's forward. zeroshard does the same with
-:class:`~zeroshard.stages.param_reads.GatheringParams` on every module whose parameters a ZeRO-3
+:class:`~zeroshard.core.zero3.param_reads.GatheringParams` on every module whose parameters a ZeRO-3
 engine partitions, so ``isinstance(module._parameters, ZeROOrderedDict)`` is true there. One built
 by hand (``ZeROOrderedDict(parent_module=m)``, :func:`ensure_zero_ordered_dict`) gathers nothing
 until an engine watches its module: no module call of an engine is in progress for it.
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from zeroshard.stages.param_reads import GatheringParams
+from zeroshard.core.zero3.param_reads import GatheringParams
 
 __all__ = ["ZeROOrderedDict", "ensure_zero_ordered_dict"]
 

@@ -2,8 +2,8 @@
 
 DeepSpeed has one optimizer class for stages 1-2 (``DeepSpeedZeroOptimizer``) and one for stage 3
 (``DeepSpeedZeroOptimizer_Stage3``); scripts ask which one an engine built to tell the stage.
-zeroshard's :class:`~zeroshard.stages.zero_optimizer.ZeroOptimizer` serves stages 0-2 and its
-subclass :class:`~zeroshard.stages.stage3.Stage3Optimizer` stage 3: these names answer
+zeroshard's :class:`~zeroshard.core.zero_optimizer.ZeroOptimizer` serves stages 0-2 and its
+subclass :class:`~zeroshard.core.zero3.stage3.Stage3Optimizer` stage 3: these names answer
 ``isinstance`` by that split (stage 0 included in the first: DeepSpeed builds no ZeRO optimizer
 there, so no script asks). They cannot be built: ``initialize`` builds the optimizer.
 """
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from zeroshard.core.zero3.stage3 import Stage3Optimizer
+from zeroshard.core.zero_optimizer import ZeroOptimizer
 from zeroshard.errors import NotYetSupportedError
-from zeroshard.stages.stage3 import Stage3Optimizer
-from zeroshard.stages.zero_optimizer import ZeroOptimizer
 
 __all__ = ["DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3"]
 

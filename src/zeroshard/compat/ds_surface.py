@@ -47,7 +47,7 @@ class Entry:
 
 
 _ENGINE = "zeroshard.engine:ZeroEngine"
-_ZERO_OPTIMIZER = "zeroshard.stages.zero_optimizer:ZeroOptimizer"
+_ZERO_OPTIMIZER = "zeroshard.core.zero_optimizer:ZeroOptimizer"
 _OPS = "zeroshard.compat.ds_ops"
 
 
@@ -68,7 +68,7 @@ def _internal(*names: str) -> frozenset[str]:
     return frozenset(names)
 
 
-_LEAF = "zeroshard.stages.units"
+_LEAF = "zeroshard.core.zero3.units"
 _LEAF_NAMES = {n: f"{_LEAF}:{n}" for n in (
     "set_z3_leaf_modules", "unset_z3_leaf_modules", "z3_leaf_module", "get_z3_leaf_modules", "set_z3_leaf_module",
     "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix")}

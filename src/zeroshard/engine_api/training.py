@@ -17,9 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeroshard.comm import collectives as C
 from zeroshard.config.schema import ZeroshardConfig
+from zeroshard.core.comm import collectives as C
 from zeroshard.errors import ConfigError, NotYetSupportedError, UnusedParametersError, ZeroshardError
+from zeroshard.window import AccumulationWindow
 
 logger = logging.getLogger("zeroshard")
 
@@ -34,17 +35,14 @@ class TrainingAPI:
     world_size: int
     global_rank: int
     local_rank: int
-    micro_steps: int
-    global_steps: int
+    window: AccumulationWindow
     timers: Any
     training_dataloader: Any
 
-    #: True inside :meth:`no_sync` (DeepSpeed's attribute name)
-    inside_no_sync_ctxt: bool = False
-    #: whether the latest ``step()`` updated the parameters (:meth:`was_step_applied`)
-    _step_applied: bool = False
-    #: set by :meth:`set_gradient_accumulation_boundary`; ``None``: the micro-step counter decides
-    _boundary_override: bool | None = None
+    @property
+    def inside_no_sync_ctxt(self) -> bool:
+        """True inside :meth:`no_sync` (DeepSpeed's attribute name)."""
+        return self.window.no_sync
     #: ``(name, parameter)`` outside the optimizer and frozen when the engine was built
     _frozen_at_initialize: list[tuple[str, torch.nn.Parameter]]
 
@@ -56,7 +54,7 @@ class TrainingAPI:
         only at the boundary. A boundary ``step()`` then starts a new window of the counter, so the
         checkpoint and batch-size checks of window starts still hold.
         """
-        self._boundary_override = bool(is_boundary)
+        self.window.boundary_override = bool(is_boundary)
 
     # -- no_sync --------------------------------------------------------------------------------
     @contextmanager
@@ -72,25 +70,20 @@ class TrainingAPI:
             raise ConfigError(f"no_sync() is incompatible with ZeRO stage {stage}: stages 2 and 3 reduce and "
                               "partition gradients in every backward (as in DeepSpeed); use stage 0 or 1, or "
                               "gradient_accumulation_steps", key="zero_optimization.stage")
-        if self.inside_no_sync_ctxt:
+        if self.window.no_sync:
             raise RuntimeError("no_sync() context manager re-entry is unsupported")
-        self.inside_no_sync_ctxt = True
+        self.window.no_sync = True
         try:
             yield
         finally:
-            self.inside_no_sync_ctxt = False
+            self.window.no_sync = False
 
     # -- batch size -------------------------------------------------------------------------------
     def _require_window_start(self, what: str) -> None:
-        ga = int(self.config.gradient_accumulation_steps or 1)
-        if self.micro_steps % ga:
-            raise RuntimeError(f"{what} in the middle of an accumulation window (micro-step {self.micro_steps % ga} "
-                               f"of {ga}): call it right after engine.step() at a boundary")
-
-    def _restart_window_count(self) -> None:
-        """Re-derive the micro-step counter for the new accumulation steps (as a checkpoint load does),
-        so that the next window is a whole one of the new length."""
-        self.micro_steps = self.global_steps * int(self.config.gradient_accumulation_steps or 1)
+        position = self.window.position
+        if position:
+            raise RuntimeError(f"{what} in the middle of an accumulation window (micro-step {position} "
+                               f"of {self.window.accumulation_steps}): call it right after engine.step() at a boundary")
 
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """Change the global batch size by changing the accumulation steps (micro batch kept).
@@ -106,7 +99,7 @@ class TrainingAPI:
         self._require_window_start("set_train_batch_size()")
         self.config.train_batch_size = train_batch_size
         self.config.gradient_accumulation_steps = train_batch_size // (micro * self.world_size)
-        self._restart_window_count()
+        self.window.recount_from_steps()
 
     def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
         """Change the micro batch; the global batch follows (accumulation steps kept). The data loader
@@ -121,7 +114,7 @@ class TrainingAPI:
     def was_step_applied(self) -> bool:
         """Whether the latest ``step()`` updated the parameters (False between boundaries and after a
         skipped overflow step)."""
-        return bool(self._step_applied)
+        return self.window.step_applied
 
     # -- optimizer queries ---------------------------------------------------------------------------
     def _get_optimizer_param(self, name: str) -> list[Any]:
@@ -292,7 +285,7 @@ class TrainingAPI:
 
     def empty_partition_cache(self) -> None:
         """ZeRO-3: release every gathered, non-persistent unit (other stages: nothing to release)."""
-        coordinator = getattr(self.optimizer, "coordinator", None)
+        coordinator = self.optimizer.coordinator
         if coordinator is not None:
             coordinator.end_of_pass(keep_frozen=False)
         gc.collect()

@@ -95,8 +95,8 @@ class ModelSpec:
 def spec_from_module(model: torch.nn.Module, description: str,
                      transformer: TransformerShape | None = None) -> ModelSpec:
     """Describe a built model (on any device, the meta device included)."""
+    from zeroshard.core.zero3.units import is_leaf, unit_modules
     from zeroshard.estimate.formulas import zero2_model_to_params
-    from zeroshard.stages.units import is_leaf, unit_modules
 
     largest, largest_name = 0, None
     for name, m in model.named_modules():

@@ -40,10 +40,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from zeroshard.core.offload.policy import Residency
+from zeroshard.core.offload.swap_files import ALIGNMENT, round_up
+from zeroshard.core.partition import ShardLayout, consecutive_runs
+from zeroshard.core.plan import make_plan
 from zeroshard.estimate.model_spec import ModelSpec
 from zeroshard.estimate.states import DTYPE_BYTES, PERSISTENCE_THRESHOLD, Buckets, unit_rows
-from zeroshard.offload.swap_files import ALIGNMENT, round_up
-from zeroshard.partition import ShardLayout, consecutive_runs
+
+#: the config's offload device names as the core's residencies
+_RESIDENCY = {"none": Residency.DEVICE, "cpu": Residency.HOST, "nvme": Residency.FILE}
 
 __all__ = ["OFFLOAD_DEVICES", "Offload", "Placement", "bucket_rows", "offloads_for_stage", "placement",
            "subgroup_sizes", "unit_rows"]
@@ -233,9 +238,10 @@ def placement(spec: ModelSpec, stage: int, world: int, dtype: str = "bf16", grad
     persistent = sum(u for u in spec.units or () if u <= persistence_threshold)
     add("parameters", where.device, c * (persistent if stage == 3 else psi))
     _gradients(add, stage, world, a * shard, off, where)
-    # fp32 masters at stages 0-2 are the module's own parameters when both share memory.
-    aliased = c == 4 and stage < 3 and (off.optimizer == "none" or not accelerator)
-    swapped = off.optimizer == "nvme" and not aliased
+    # The engine's plan of the same stage: which copies exist (fp32 masters at stages 0-2 are the
+    # module's own parameters when both share memory; NVMe masters are swapped unless aliased).
+    plan = make_plan(stage, world, c == 4, _RESIDENCY[off.optimizer], _RESIDENCY[off.params], accelerator)
+    aliased, swapped = plan.masters_alias_params, plan.masters_swapped
     sizes = subgroup_sizes(rows, off.sub_group_size)
     master_file = _file_bytes(sizes, 4)
     # In host memory the masters are page-locked (updated values reach the device asynchronously);
@@ -247,12 +253,12 @@ def placement(spec: ModelSpec, stage: int, world: int, dtype: str = "bf16", grad
         add("optimizer_states", "file", _ADAM_KEYS * master_file)
         slots = max(1, min(off.buffer_count, len(sizes)))
         add("optimizer_states", where.pinned_if_asked, slots * max(sizes) * 4 * (_ADAM_KEYS + swapped))
-        if swapped and stage < 3:  # the compute-dtype copy stages 1-2 all-gather from
+        if plan.compute_copy:  # the compute-dtype copy stages 1-2 all-gather from
             add("parameter_shard", where.device, c * shard)
     else:
         add("optimizer_states", where.device if off.optimizer == "none" else "host", 8 * shard)
-    if stage == 3:
-        _parameter_shard(add, rows, c, off, where, accelerator)
+    if stage == 3 and not plan.param_shard_aliases_masters:
+        _parameter_shard(add, rows, c, off, where)
     return Placement(kinds)
 
 
@@ -265,17 +271,11 @@ def _gradients(add: _Add, stage: int, world: int, shard_bytes: int, off: Offload
         add("gradients", where.device if off.optimizer == "none" else where.pinned, shard_bytes)
 
 
-def _parameter_shard(add: _Add, rows: list[int], c: int, off: Offload, where: _Places, accelerator: bool) -> None:
-    """ZeRO-3's compute-dtype shard. None is kept when the masters are in the memory the shard
-    would be in and units can be gathered from them directly: in fp32, or cast on the way when
-    that memory is the training device's (``offload/param_store.py``, ``make_param_shard``)."""
+def _parameter_shard(add: _Add, rows: list[int], c: int, off: Offload, where: _Places) -> None:
+    """ZeRO-3's compute-dtype shard, where the plan keeps one (``StagePlan.param_shard_aliases_masters``
+    false: the masters are not where units are gathered from)."""
     if off.params == "nvme":
         add("parameter_shard", "file", _file_bytes(rows, c))
         add("parameter_shard", where.pinned_if_asked, off.param_buffer_count * max(max(rows, default=1), 1) * c)
-        return
-    device_memory = "device" if accelerator else "host"
-    masters_memory = {"none": device_memory, "cpu": "host"}.get(off.optimizer)  # nvme: in files
-    shard_memory = device_memory if off.params == "none" else "host"
-    if masters_memory == shard_memory and (c == 4 or shard_memory == device_memory):
         return
     add("parameter_shard", where.device if off.params == "none" else where.pinned_if_asked, c * sum(rows))

@@ -2,7 +2,7 @@
 
 The model-state part predicts ``engine.memory_usage()`` key by key (Ψ parameters, N ranks,
 ``c`` the compute dtype's bytes, ``a`` the gradient-accumulation dtype's, Adam's two fp32
-moments; shards are padded per parameter to a multiple of N, as :mod:`zeroshard.partition` lays
+moments; shards are padded per parameter to a multiple of N, as :mod:`zeroshard.core.partition` lays
 them out):
 
 ====================  ==========  ==========  ==========  =========================
@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from zeroshard.core.partition import COMM_BUFFERS, ShardLayout, buffer_numel, consecutive_runs
 from zeroshard.estimate.model_spec import ModelSpec
-from zeroshard.partition import COMM_BUFFERS, ShardLayout, buffer_numel, consecutive_runs
 
 __all__ = ["DTYPE_BYTES", "Buckets", "StateEstimate", "model_states"]
 

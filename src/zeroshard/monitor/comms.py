@@ -1,6 +1,6 @@
 """The communication logger (``comms_logger``): count, bytes, latency and bandwidth per collective.
 
-Every collective in :mod:`zeroshard.comm.collectives` passes through one hook (``HOOK``); while a
+Every collective in :mod:`zeroshard.core.comm.collectives` passes through one hook (``HOOK``); while a
 :class:`CommsLogger` is installed there it times each collective and files it under DeepSpeed's
 op name (``all_reduce``, ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``broadcast``,
 ``barrier``) and message size. :meth:`CommsLogger.summary` prints DeepSpeed's table
@@ -13,7 +13,7 @@ synchronises the device, starts the collective, waits for it (and synchronises a
 accelerator), so the latency is launch to completion of that collective alone. The price is that
 asynchronous collectives no longer overlap with computation while the logger is on (the
 alternative, launch to the caller's ``wait()``, would count the overlapped computation as
-communication). ``benchmarks/comms_logger_cost.py`` measures the cost.
+communication). ``benchmarks/studies/comms_logger_cost.py`` measures the cost.
 
 Sizes and bandwidth follow nccl-tests (``PERFORMANCE.md``): the message size is the whole
 buffer (the gathered output of an all-gather, the unreduced input of a reduce-scatter, the
@@ -41,8 +41,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from zeroshard.comm import collectives as C
-from zeroshard.device import synchronize
+from zeroshard.core.comm import collectives as C
+from zeroshard.core.device import synchronize
 from zeroshard.errors import ConfigError, NotYetSupportedError
 
 logger = logging.getLogger("zeroshard")

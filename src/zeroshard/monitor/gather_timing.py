@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from zeroshard.device import synchronize
+from zeroshard.core.device import synchronize
 from zeroshard.monitor.timers import WallClockTimers
 
 

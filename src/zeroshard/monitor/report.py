@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from zeroshard.comm import collectives as C
+from zeroshard.core.comm import collectives as C
 from zeroshard.monitor import memory
 from zeroshard.monitor.base import Event
 from zeroshard.monitor.master import MonitorMaster

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
-from zeroshard.device import synchronize
+from zeroshard.core.device import synchronize
 
 
 class WallClockTimers:

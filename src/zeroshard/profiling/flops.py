@@ -30,8 +30,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.hooks import RemovableHandle
 
-from zeroshard.device import synchronize
-from zeroshard.partition import full_numel
+from zeroshard.core.device import synchronize
+from zeroshard.core.partition import full_numel
 from zeroshard.profiling.peaks import peak_flops
 from zeroshard.profiling.profile import ModuleProfile, StepProfile
 from zeroshard.profiling.text import write_profile

@@ -7,7 +7,7 @@ with ``safe_update_full_grad_vectorized``, ``set_z3_leaf_modules`` (with ``unset
 ``set_z3_leaf_modules_by_suffix``) and ``RepeatingLoader``.
 """
 
-from zeroshard.stages.units import (
+from zeroshard.core.zero3.units import (
     get_z3_leaf_modules,
     set_z3_leaf_module,
     set_z3_leaf_modules,

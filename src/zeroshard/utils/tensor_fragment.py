@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from zeroshard.comm import collectives as C
-from zeroshard.partition.layout import UNIT_ATTR, full_shape
+from zeroshard.core.comm import collectives as C
+from zeroshard.core.partition.layout import full_shape
+from zeroshard.core.seam import owner_of, unit_of
 
 __all__ = [
     "safe_get_full_fp32_param",
@@ -83,7 +84,7 @@ class _Fragment:
 
 
 def _fragment(param: torch.nn.Parameter) -> _Fragment | None:
-    owner = getattr(param, "_zeroshard_owner", None)
+    owner = owner_of(param)
     if owner is None or param not in owner.master.views:
         return None
     return _Fragment(param, owner)
@@ -135,7 +136,7 @@ def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> 
         frag.owner.store.write_master(frag.master, frag.mine(value))
         if param.numel() == frag.layout.numel:  # whole here (stages 0-2, or a gathered ZeRO-3 unit)
             param.data.copy_(value.detach().view_as(param))
-        unit = getattr(param, UNIT_ATTR, None)
+        unit = unit_of(param)
         if unit is not None:  # ZeRO-3: the compute-dtype shard gathers read
             off = unit.bucket.offsets[unit.position(param)]
             unit.write_shard(off, frag.mine(value))

@@ -22,8 +22,9 @@ import torch.distributed as dist
 from zeroshard.checkpoint.agree import together
 from zeroshard.checkpoint.collect import module_layout
 from zeroshard.checkpoint.safetensors_io import SafetensorsWriter, TensorSpec
-from zeroshard.comm import collectives as C
-from zeroshard.partition import UNIT_ATTR, full_shape
+from zeroshard.core.comm import collectives as C
+from zeroshard.core.partition import full_shape
+from zeroshard.core.seam import unit_of
 
 logger = logging.getLogger("zeroshard")
 
@@ -51,7 +52,7 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike[str], save_filenam
     current: list[Any] = [None, None]  # (unit, exit callable) gathered now
 
     def produce(p: torch.Tensor) -> torch.Tensor:  # every rank, in the same order
-        unit = getattr(p, UNIT_ATTR, None)
+        unit = unit_of(p)
         if unit is not None and unit is not current[0]:
             if current[1] is not None:
                 current[1]()

@@ -2,7 +2,7 @@
 
 Under ZeRO-3 a module's forward gathers the units of its *own* parameters. A forward that reads
 another module's parameter (a tied weight, a shared embedding) gathers it on that read
-(:mod:`zeroshard.stages.param_reads`, as DeepSpeed does), so registering is not needed; DeepSpeed's
+(:mod:`zeroshard.core.zero3.param_reads`, as DeepSpeed does), so registering is not needed; DeepSpeed's
 explicit API is kept with its signature for scripts and models that call it
 (``register_external_parameter(module, parameter)`` in the module's ``__init__``). A forward
 pre-hook on ``module`` then gathers ``parameter``'s unit through the ZeRO-3 coordinator and keeps
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from zeroshard.partition import UNIT_ATTR
+from zeroshard.core.seam import coordinator_of, owner_of, unit_of
 
 __all__ = ["add_external_parameters_accessor", "register_external_parameter", "unregister_external_parameter"]
 
@@ -26,8 +26,8 @@ _ATTR = "_zeroshard_external_params"
 
 
 def _coordinator_and_unit(param: torch.nn.Parameter) -> tuple[Any, Any]:
-    owner = getattr(param, "_zeroshard_owner", None)
-    return getattr(owner, "coordinator", None), getattr(param, UNIT_ATTR, None)
+    owner = owner_of(param)
+    return coordinator_of(owner), unit_of(param)
 
 
 def _units(module: torch.nn.Module) -> list[tuple[Any, Any]]:

@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from zeroshard.comm import collectives as C
-from zeroshard.partition import INIT_CHUNK_ATTR
+from zeroshard.core.comm import collectives as C
+from zeroshard.core.partition import INIT_CHUNK_ATTR
+from zeroshard.core.seam import Stage, owner_of
 from zeroshard.zero.init import InitPartitioned
 
 
@@ -49,7 +50,7 @@ class GatheredParameters:
     def _owned(self) -> dict[Any, list[torch.nn.Parameter]]:
         owners: dict[Any, list[torch.nn.Parameter]] = {}
         for p in self.params:
-            owner = getattr(p, "_zeroshard_owner", None)
+            owner: Stage | InitPartitioned | None = owner_of(p)
             if owner is None and getattr(p, INIT_CHUNK_ATTR, None) is not None:
                 owner = self._pre_initialize  # built under zero.Init, not yet given to initialize
             if owner is not None:

@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
-from zeroshard import host_memory
-from zeroshard.comm import collectives as C
 from zeroshard.config.load import read_config
+from zeroshard.core import host_memory
+from zeroshard.core.comm import collectives as C
+from zeroshard.core.partition import INIT_CHUNK_ATTR as SHARD_ATTR
+from zeroshard.core.partition import SHAPE_ATTR, ShardLayout, full_shape
 from zeroshard.errors import ConfigError
-from zeroshard.partition import INIT_CHUNK_ATTR as SHARD_ATTR
-from zeroshard.partition import SHAPE_ATTR, ShardLayout, full_shape
 from zeroshard.zero.lazy_shard import InitSession, LazyShardTensor, ShardCore
 from zeroshard.zero.param_status import ZeroParamStatus
 
@@ -84,7 +84,7 @@ class Init:
     def __enter__(self) -> Init:
         if not self.enabled:
             return self
-        from zeroshard.comm.groups import init_distributed
+        from zeroshard.core.comm.groups import init_distributed
 
         init_distributed()
         if _OPEN:

@@ -25,7 +25,7 @@ Memory (each rank should grow by its chunks plus one parameter in flight; issue 
   long-lived chunks between the transient full tensors fragment glibc's heap. Slabs are above
   glibc's largest mmap threshold, so each is a mapping of its own, unmapped when freed.
 - Freed full tensors still leave free pages in the heap (glibc keeps them); they are returned to
-  the system every :data:`TRIM_BYTES` freed (:mod:`zeroshard.host_memory`).
+  the system every :data:`TRIM_BYTES` freed (:mod:`zeroshard.core.host_memory`).
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from zeroshard import host_memory
-from zeroshard.comm import collectives as C
+from zeroshard.core import host_memory
+from zeroshard.core.comm import collectives as C
+from zeroshard.core.partition import ShardLayout
 from zeroshard.errors import ZeroshardError
-from zeroshard.partition import ShardLayout
 
 aten = torch.ops.aten
 

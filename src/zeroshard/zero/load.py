@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.checkpoint.safetensors_io import SafetensorsReader
+from zeroshard.core.partition import INIT_CHUNK_ATTR, ShardLayout, full_numel
+from zeroshard.core.seam import owner_of
 from zeroshard.errors import CheckpointError
-from zeroshard.partition import INIT_CHUNK_ATTR, ShardLayout, full_numel
 
 Reader = Callable[[str, int, int], torch.Tensor]
 
@@ -83,11 +84,11 @@ def load_weights(model: torch.nn.Module, source: Mapping[str, torch.Tensor] | st
 def _load_one(p: torch.nn.Parameter, name: str, read: Reader, rank: int, world: int, owners: dict[int, Any]) -> None:
     numel = full_numel(p)
     chunk = getattr(p, INIT_CHUNK_ATTR, None)
-    owner = getattr(p, "_zeroshard_owner", None)
+    owner = owner_of(p)
     if chunk is not None:  # built under zero.Init, not yet adopted by an engine
         s, e = ShardLayout(numel, world).local_range(rank)
         chunk.copy_(read(name, s, e))
-    elif owner is not None and getattr(owner, "frozen", None) is not None and p in owner.frozen.ranges:
+    elif owner is not None and owner.frozen is not None and p in owner.frozen.ranges:
         s, e = owner.frozen.ranges[p]  # a frozen parameter partitioned by ZeRO-3: its chunk is the truth
         owner.frozen.write(p, read(name, s, e))
         owners[id(owner)] = owner

@@ -1,0 +1,294 @@
+"""fp32 master weights of this rank's shard, and how updated weights reach the module.
+
+All of a rank's master elements live in one flat fp32 buffer, bucket after bucket in the same
+order as the gradient shards, so the gradient shard of the step lines up element for element.
+Each trained parameter gets an ``nn.Parameter`` *view* of its real (unpadded) elements: those
+views are what the torch optimizer sees, so any optimizer works and its state is exactly
+``1/N`` of the model (plus at most ``world - 1`` padding elements per parameter, which are never
+given to the optimizer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from zeroshard.core import host_memory
+from zeroshard.core.comm import collectives as C
+from zeroshard.core.partition import (
+    COMM_BUFFERS,
+    INIT_CHUNK_ATTR,
+    Bucket,
+    buffer_numel,
+    consecutive_runs,
+    gather_from_rows,
+)
+
+
+def swapped_placeholder(numel: int) -> torch.Tensor:
+    """What a swapped-out master holds: the right shape, one element of memory, and NaN, so that a
+    read that bypasses the state store shows at once (a ``meta`` tensor cannot be swapped for host
+    memory through ``.data``)."""
+    return torch.full((1,), float("nan"), dtype=torch.float32).expand(numel)
+
+
+class MasterShard:
+    """The rank-local flat fp32 master buffer and its per-parameter views.
+
+    With ``alias_params`` (fp32 training, stages 0–2) there is no separate buffer: each master is a
+    view of this rank's chunk *inside the module's own fp32 parameter*, so master weights cost no
+    memory, as in the ZeRO formulas for fp32, and stage 0 needs no copy back into the module.
+
+    ``device`` is where the flat buffer lives: the training device, or the host with optimizer
+    offload. With ``swapped`` (NVMe optimizer offload) there is no buffer either: the views are
+    placeholders (:func:`swapped_placeholder`) until the swapped store points them at a sub-group
+    buffer for the step; the initial values are taken from :meth:`initial_values` by the store,
+    which writes them to its files.
+    """
+
+    def __init__(self, buckets: list[Bucket], rank: int, device: torch.device, alias_params: bool = False,
+                 swapped: bool = False, pin: bool = False, droppable: bool = False,
+                 comm_device: torch.device | None = None, pack_dtype: torch.dtype | None = None) -> None:
+        self.buckets = buckets
+        self.rank = rank
+        self.numel = sum(b.numel for b in buckets)
+        self.aliased = alias_params
+        self.device = device
+        #: where the stage 1-2 all-gather buffers live: the training device, also when the masters
+        #: are in host memory (NCCL gathers device tensors only)
+        self.comm_device = comm_device if comm_device is not None else device
+        self.swapped = swapped and not alias_params
+        # Page-locked with CPU optimizer offload on an accelerator: updated masters then reach the
+        # device by asynchronous copies that overlap the step of the next sub-group.
+        numel = 0 if alias_params or self.swapped else self.numel
+        #: with ``droppable`` (a large buffer in host memory, not page-locked), the mapping the flat
+        #: buffer lives in, so that :meth:`drop_pages` can hand ranges of it back to the system
+        self._flat_map: host_memory.MappedBuffer | None = None
+        if droppable and not pin and host_memory.mappable(device, numel * 4, min_bytes=1):
+            self._flat_map = host_memory.MappedBuffer(numel * 4)  # zero-filled, as torch.zeros
+            self.flat = self._flat_map.tensor(torch.float32)
+        else:
+            self.flat = torch.zeros(numel, dtype=torch.float32, device=device, pin_memory=pin and device.type == "cpu")
+        #: the flat source of the compute-dtype parameters published after a step (stages 1-2
+        #: pack their all-gathers from it): the masters, or, with ``pack_dtype`` (the masters are
+        #: in swap files), a compute-dtype shard on the communication device that the swapped
+        #: store keeps current
+        self.pack_source = self.flat
+        self.views: dict[torch.nn.Parameter, torch.nn.Parameter] = {}
+        #: each parameter's real element range ``[s, e)`` held by this rank
+        self.ranges: dict[torch.nn.Parameter, tuple[int, int]] = {}
+        #: ``(master, bucket index, column in the bucket's row, real elements)``
+        self.slices: list[tuple[torch.nn.Parameter, int, int, int]] = []
+        #: per all-gather slot: ``(send, out)`` buffers, alive during :meth:`all_gather_to_params` only
+        self._gather_buffers: list[torch.Tensor] = []
+        #: bytes those buffers took in the last update (what ``comm_workspace`` reports)
+        self._gather_bytes = 0
+        self._gather_groups: tuple[tuple[int, tuple[int, ...]], list[tuple[list[Bucket], int, int]]] | None = None
+        #: the all-gather under way (:meth:`begin_all_gather`), or ``None``
+        self._gather: _Gather | None = None
+        for b in buckets:
+            for p, layout, off in zip(b.params, b.layouts, b.offsets):
+                s, e = layout.local_range(rank)
+                a = b.start + off
+                if alias_params:
+                    view = p.data.view(-1)[s:e]
+                elif self.swapped:
+                    view = swapped_placeholder(e - s)
+                else:
+                    view = self.flat[a : a + (e - s)]
+                self.ranges[p] = (s, e)
+                if not alias_params and not self.swapped:
+                    # Copied from the full-precision values before the module is cast to a 16-bit
+                    # dtype; a parameter built under zero.Init brings exactly this chunk along.
+                    view.copy_(self.initial_values(p))
+                master = torch.nn.Parameter(view)
+                self.views[p] = master
+                self.slices.append((master, b.index, off, e - s))
+        if pack_dtype is not None and self.swapped:
+            self.pack_source = self.initial_flat(pack_dtype, self.comm_device)
+
+    def initial_values(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """This rank's chunk of ``p`` as it was before training (the ``zero.Init`` chunk, or a
+        slice of the module's fp32 value)."""
+        s, e = self.ranges[p]
+        chunk = getattr(p, INIT_CHUNK_ATTR, None)
+        return chunk if chunk is not None else p.detach().reshape(-1)[s:e]
+
+    def initial_flat(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat tensor of the layout holding the initial values in ``dtype`` (padding zero): the
+        compute-dtype parameter shard when the masters themselves are swapped out."""
+        out = torch.zeros(self.numel, dtype=dtype, device=device)
+        for p, (_master, bucket, off, n) in zip(self.views, self.slices):
+            a = self.buckets[bucket].start + off
+            out[a : a + n].copy_(self.initial_values(p))
+        return out
+
+    def attach_grads(self, grads: list[torch.Tensor], skip: Collection[torch.nn.Parameter] = (),
+                     slices: Sequence[tuple[torch.nn.Parameter, int, int, int]] | None = None) -> None:
+        """Point the masters' ``.grad`` at their slices of the fp32 gradient shard (one flat tensor
+        per bucket); masters in ``skip`` get none, so the optimizer leaves them (and their state)
+        untouched. ``slices``: only these masters (one sub-group), the others get none either.
+        A gradient on another device than its master (CPU optimizer offload) is copied over."""
+        for master, bucket, off, n in self.slices if slices is None else slices:
+            if master in skip:
+                master.grad = None
+                continue
+            g = grads[bucket][off : off + n]
+            master.grad = g if g.device == master.device else g.to(master.device, non_blocking=True)
+        if slices is not None and any(g.device.type == "cuda" for g in grads):
+            torch.cuda.current_stream().synchronize()  # non-blocking copies to host must land first
+
+    def detach_grads(self, slices: Sequence[tuple[torch.nn.Parameter, int, int, int]] | None = None) -> None:
+        """Drop the master gradients (they are views of a buffer the gradient sync owns)."""
+        for master, *_ in self.slices if slices is None else slices:
+            master.grad = None
+
+    @property
+    def droppable(self) -> bool:
+        """Whether :meth:`drop_pages` can free memory (the flat buffer has a mapping of its own)."""
+        return self._flat_map is not None
+
+    def drop_pages(self, start: int, end: int) -> int:
+        """Hand the memory of flat elements ``[start, end)`` back to the system: the pages wholly
+        inside the range read as zero until written again (a page shared with elements outside it
+        is kept). The caller must rewrite every element of the range before anything reads it.
+        Returns the bytes dropped."""
+        if self._flat_map is None:
+            return 0
+        return self._flat_map.drop(start * 4, (end - start) * 4)
+
+    def bytes_held(self) -> int:
+        """Bytes of the flat master buffer, padding included."""
+        return self.flat.numel() * self.flat.element_size()
+
+    def copy_to_params(self) -> None:
+        """One rank (stage 0, or any stage on one rank) owns whole parameters: copy (and cast) the
+        masters, or their published copy, into the module."""
+        if self.aliased:
+            return
+        for p, (_master, bucket, off, n) in zip(self.views, self.slices):
+            a = self.buckets[bucket].start + off
+            p.data.copy_(self.pack_source[a : a + n].view_as(p))
+
+    def workspace_bytes(self) -> int:
+        """Bytes of the all-gather buffers during the last parameter update (they are freed after
+        it: used once per step, kept they would hold up to 1.5x the model between steps)."""
+        return self._gather_bytes
+
+    def all_gather_to_params(self, group: dist.ProcessGroup | None, bucket_numel: int,
+                             dtype: torch.dtype) -> None:
+        """Stages 1–2: gather every rank's updated shard into the full module parameters.
+
+        Consecutive buckets are gathered together up to half of ``bucket_numel`` full elements,
+        through two buffers: the next gather is in flight while the previous one is copied
+        out, and together they receive about ``bucket_numel`` elements (``allgather_bucket_size``:
+        "elements all-gathered at a time"). They are freed when the update is done.
+        """
+        self.begin_all_gather(group, bucket_numel, dtype)
+        self.end_all_gather()
+
+    def begin_all_gather(self, group: dist.ProcessGroup | None, bucket_numel: int, dtype: torch.dtype,
+                         cuts: Sequence[int] = ()) -> None:
+        """Start an all-gather of the updated shard that :meth:`all_gather_through` advances as the
+        step finishes ranges of it, so that each range's collective runs while the next is being
+        stepped (and its optimizer state read from swap files). No gather spans a position in
+        ``cuts`` (the ends of the optimizer's sub-groups: a range is final only there)."""
+        groups = self._groups(buffer_numel(bucket_numel), tuple(sorted(cuts)))
+        rows = max((b - a for _g, a, b in groups), default=0)
+        self._gather = _Gather(group, C.world_size(group), dtype, groups, rows)
+
+    def all_gather_through(self, end: int) -> None:
+        """Launch the gathers of every group that ends at or before flat position ``end`` (every
+        rank has stepped its row of them), copying out the oldest when both buffers are taken."""
+        g = self._gather
+        assert g is not None, "all_gather_through() outside begin_all_gather() / end_all_gather()"
+        while g.next < len(g.groups) and g.groups[g.next][2] <= end:
+            buckets, a, b = g.groups[g.next]
+            out = self._buffer(g.next % COMM_BUFFERS, g.world * g.rows, g.dtype)[: g.world * (b - a)]
+            # This rank's row is packed where the gather puts it: the all-gather runs in place.
+            send = self._pack(buckets, a, b, out.view(g.world, b - a)[self.rank])
+            g.inflight.append((buckets, a, out, C.all_gather(out, send, g.group)))
+            g.next += 1
+            if len(g.inflight) >= COMM_BUFFERS:  # the oldest buffer is the next one to fill
+                self._scatter_gathered(*g.inflight.pop(0), g.world)
+
+    def end_all_gather(self) -> None:
+        """Gather what is left, copy every gathered group into the parameters, free the buffers."""
+        g = self._gather
+        assert g is not None, "end_all_gather() without begin_all_gather()"
+        self.all_gather_through(self.numel)
+        while g.inflight:
+            self._scatter_gathered(*g.inflight.pop(0), g.world)
+        self._gather = None
+        self._gather_bytes = sum(t.numel() * t.element_size() for t in self._gather_buffers)
+        self._gather_buffers = []
+
+    def _groups(self, bucket_numel: int, cuts: tuple[int, ...] = ()) -> list[tuple[list[Bucket], int, int]]:
+        """Consecutive buckets gathered by one collective, with their row range ``[a, b)``; none
+        crosses a flat position in ``cuts``."""
+        key = (bucket_numel, cuts)
+        if self._gather_groups is None or self._gather_groups[0] != key:
+            segments: list[list[Bucket]] = []
+            starts = set(cuts)
+            for bk in self.buckets:
+                if not segments or bk.start in starts:
+                    segments.append([])
+                segments[-1].append(bk)
+            groups = [g for seg in segments for g in consecutive_runs(seg, lambda bk: bk.full_numel, bucket_numel)]
+            spans = [(g, g[0].start, g[-1].start + g[-1].numel) for g in groups]
+            self._gather_groups = (key, spans)
+        return self._gather_groups[1]
+
+    def _buffer(self, slot: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """All-gather buffer ``slot``, of at least ``numel`` elements (every rank's rows of the
+        largest group)."""
+        while len(self._gather_buffers) <= slot:
+            self._gather_buffers.append(torch.empty(0))
+        out = self._gather_buffers[slot]
+        if out.dtype != dtype or out.numel() < numel:
+            # Freed after each publish: on CPU, outside the heap (see host_memory).
+            out = self._gather_buffers[slot] = host_memory.empty(numel, dtype, self.comm_device)
+        return out
+
+    def _pack(self, buckets: list[Bucket], a: int, b: int, send: torch.Tensor) -> torch.Tensor:
+        """This rank's row ``[a, b)`` of the flat layout, in ``send``'s dtype (padding slots are
+        left as they are: no rank reads them)."""
+        if not self.aliased:  # 16-bit training: cast the fp32 masters (or their published copy)
+            return send.copy_(self.pack_source[a:b])
+        for bk in buckets:
+            for p, off in zip(bk.params, bk.offsets):
+                view = self.views[p].detach()
+                start = bk.start + off - a
+                send[start : start + view.numel()].copy_(view)
+        return send
+
+    def _scatter_gathered(self, buckets: list[Bucket], base: int, out: torch.Tensor, work: dist.Work | None,
+                          world: int) -> None:
+        if work is not None:
+            work.wait()
+        rows = out.view(world, -1)
+        # Aliased masters are the parameters' own chunks: that row is already in place.
+        skip = self.rank if self.aliased else None
+        for bk in buckets:
+            for p, layout, off in zip(bk.params, bk.layouts, bk.offsets):
+                col = bk.start - base + off
+                gather_from_rows(rows[:, col : col + layout.shard_numel], p.data.view(-1), skip_row=skip)
+
+
+@dataclass
+class _Gather:
+    """An all-gather of the updated shard under way (see :meth:`MasterShard.begin_all_gather`)."""
+
+    group: dist.ProcessGroup | None
+    world: int
+    dtype: torch.dtype
+    #: the groups to gather, in order (:meth:`MasterShard._groups`)
+    groups: list[tuple[list[Bucket], int, int]]
+    #: row elements of the largest group (what each buffer must hold per rank)
+    rows: int
+    #: index of the next group to launch
+    next: int = 0
+    inflight: list[tuple[list[Bucket], int, torch.Tensor, dist.Work | None]] = field(default_factory=list)

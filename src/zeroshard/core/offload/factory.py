@@ -1,0 +1,30 @@
+"""Which :class:`~zeroshard.core.offload.state_store.StateStore` a residency gets: a table, not branches."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from zeroshard.core.offload.policy import OffloadPolicy, Residency, state_device
+from zeroshard.core.offload.state_store import StateStore
+
+__all__ = ["make_state_store", "optimizer_state_device"]
+
+
+def optimizer_state_device(policy: OffloadPolicy, device: torch.device) -> torch.device:
+    """Where master weights (and so the optimizer state torch creates beside them) live in memory."""
+    return state_device(policy.optimizer, device)
+
+
+def make_state_store(master: Any, policy: OffloadPolicy, device: torch.device, rank: int,
+                     publish: Callable[[int, int, torch.Tensor], None] | None = None,
+                     before_access: Callable[[], None] | None = None) -> StateStore:
+    """The store for ``policy.optimizer``: in memory (device or host) or swapped to files
+    (``publish`` and ``before_access``: see :class:`StateStore`)."""
+    if policy.optimizer is Residency.FILE:
+        from zeroshard.core.offload.swapped_store import SwappedStateStore
+
+        return SwappedStateStore(master, policy, device, rank, publish, before_access)
+    return StateStore(master, policy.optimizer, policy.sub_group_size, publish, before_access)

@@ -1,6 +1,0 @@
-"""Precision policy and fp16 loss scaling."""
-
-from zeroshard.precision.loss_scaler import DynamicLossScaler, LossScaler
-from zeroshard.precision.policy import PrecisionPolicy, make_loss_scaler
-
-__all__ = ["DynamicLossScaler", "LossScaler", "PrecisionPolicy", "make_loss_scaler"]
