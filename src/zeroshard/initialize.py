@@ -22,6 +22,7 @@ import torch.distributed as dist
 from zeroshard.activations import configure_from_initialize as _configure_activation_checkpointing
 from zeroshard.config import ZeroshardConfig, load_config, to_dict
 from zeroshard.config.no_effect import warn_no_effect
+from zeroshard.config.zero import DEFAULT_LEAF_MODULE_CLASSES, LeafModuleConfig
 from zeroshard.core.build import build_stage
 from zeroshard.core.clock import StepClock
 from zeroshard.core.comm import collectives as C
@@ -31,7 +32,12 @@ from zeroshard.core.device import default_device
 from zeroshard.core.offload import OffloadPolicy
 from zeroshard.core.partition import full_numel
 from zeroshard.core.precision import PrecisionPolicy, make_loss_scaler
-from zeroshard.core.zero3.units import apply_leaf_module_config, mark_fine_grained_leaves
+from zeroshard.core.zero3.units import (
+    mark_fine_grained_leaves,
+    set_z3_leaf_modules,
+    set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix,
+)
 from zeroshard.core.zero_optimizer import StageSpec, ZeroOptimizer
 from zeroshard.engine import ZeroEngine
 from zeroshard.errors import ConfigError, NotYetSupportedError, ZeroshardError
@@ -151,7 +157,7 @@ def initialize(
     param_groups = _param_groups(model, optimizer, model_parameters,
                                  need_trained=optimizer is not None or cfg.optimizer is not None)
     if cfg.zero_stage == 3:
-        apply_leaf_module_config(model, cfg.zero_optimization.leaf_module)
+        _apply_leaf_module_config(model, cfg.zero_optimization.leaf_module)
         mark_fine_grained_leaves(model, cfg.zero_optimization.stage3_module_granularity_threshold)
         # ZeRO-3 partitions the parameters it trains and the frozen ones (requires_grad=False);
         # one outside the optimizer that requires gradients stays whole (it warns with the size).
@@ -417,3 +423,20 @@ def _dataloader(data: Any, cfg: ZeroshardConfig, collate_fn: Callable[..., Any] 
     assert micro is not None  # resolved by load_config
     return ResumableDataLoader(data, batch_size=micro, sampler=sampler, collate_fn=collate_fn,
                                drop_last=bool(cfg.dataloader_drop_last))
+
+
+def _apply_leaf_module_config(model: torch.nn.Module, leaf: LeafModuleConfig) -> list[torch.nn.Module]:
+    """Mark the ZeRO-3 leaves the ``zero_optimization.leaf_module`` block names (``leaf.classes``,
+    ``leaf.names`` as in ``named_modules()``, ``leaf.name_suffixes``); warn about names and classes
+    that match nothing, unless the classes are DeepSpeed's defaults (most models have none of them)."""
+    marked = {id(m): m for m in set_z3_leaf_modules(model, leaf.classes, raise_if_not_found=False)}
+    by_name, missing_names = set_z3_leaf_modules_by_name(model, leaf.names, raise_if_not_found=False)
+    by_suffix, missing_suffixes = set_z3_leaf_modules_by_suffix(model, leaf.name_suffixes, raise_if_not_found=False)
+    for m in by_name + by_suffix:
+        marked.setdefault(id(m), m)
+    unmatched = missing_names + missing_suffixes
+    if unmatched:
+        logger.warning("zeroshard: zero_optimization.leaf_module: no module named %s", unmatched)
+    if not marked and tuple(leaf.classes) != DEFAULT_LEAF_MODULE_CLASSES:
+        logger.warning("zeroshard: zero_optimization.leaf_module: no module of the classes %s", leaf.classes)
+    return list(marked.values())

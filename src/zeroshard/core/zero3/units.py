@@ -13,11 +13,9 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import torch
 
-from zeroshard.config.zero import DEFAULT_LEAF_MODULE_CLASSES
 from zeroshard.core.partition import full_numel
 
 logger = logging.getLogger("zeroshard")
@@ -129,23 +127,6 @@ def set_z3_leaf_modules_by_suffix(model: torch.nn.Module, module_name_suffixes: 
     if missing and raise_if_not_found:
         raise ValueError(f"no module whose name ends with {missing} in {type(model).__name__}")
     return list(matched.values()), missing
-
-
-def apply_leaf_module_config(model: torch.nn.Module, leaf: Any) -> list[torch.nn.Module]:
-    """Mark the leaves the ``zero_optimization.leaf_module`` block names (``leaf.classes``,
-    ``leaf.names`` as in ``named_modules()``, ``leaf.name_suffixes``); warn about names and classes
-    that match nothing, unless the classes are DeepSpeed's defaults (most models have none of them)."""
-    marked = {id(m): m for m in _mark(model, leaf.classes, True, raise_if_not_found=False)}
-    by_name, missing_names = set_z3_leaf_modules_by_name(model, leaf.names, raise_if_not_found=False)
-    by_suffix, missing_suffixes = set_z3_leaf_modules_by_suffix(model, leaf.name_suffixes, raise_if_not_found=False)
-    for m in by_name + by_suffix:
-        marked.setdefault(id(m), m)
-    unmatched = missing_names + missing_suffixes
-    if unmatched:
-        logger.warning("zeroshard: zero_optimization.leaf_module: no module named %s", unmatched)
-    if not marked and tuple(leaf.classes) != DEFAULT_LEAF_MODULE_CLASSES:
-        logger.warning("zeroshard: zero_optimization.leaf_module: no module of the classes %s", leaf.classes)
-    return list(marked.values())
 
 
 def mark_fine_grained_leaves(model: torch.nn.Module, threshold: int) -> list[torch.nn.Module]:
