@@ -4,9 +4,9 @@ DeepSpeed's tests, untouched, are the strictest check of a drop-in: this runner 
 of a DeepSpeed checkout (so that the checkout's uncompiled ``deepspeed/`` sources never shadow the
 installed package), runs the chosen files with pytest once per side, and prints, per file, how many
 tests pass on each. On the zeroshard side every process, the ones DeepSpeed's harness spawns
-included, starts with :func:`zeroshard.compat.deepspeed.enable` (a ``sitecustomize`` on
+included, starts with :func:`zeroshard.deepspeed.imports.enable` (a ``sitecustomize`` on
 ``PYTHONPATH``), so ``import deepspeed`` resolves to zeroshard as it would in a user's script run
-under ``python -m zeroshard.compat.deepspeed``.
+under ``python -m zeroshard.deepspeed.imports``.
 
 Tests that pass on DeepSpeed and not on zeroshard are listed, each with its reason from
 ``expected_differences.toml`` beside this file, or marked UNEXPECTED (the exit status is then 1).
@@ -61,8 +61,8 @@ GOAL_FILES = (
 #: a file's whole run is killed after this long (DeepSpeed's harness leaves some failures hanging)
 FILE_TIMEOUT_S = 2400
 _SITECUSTOMIZE = """\
-import zeroshard.compat.deepspeed
-zeroshard.compat.deepspeed.enable(shadow=True)
+import zeroshard.deepspeed.imports
+zeroshard.deepspeed.imports.enable(shadow=True)
 """
 
 

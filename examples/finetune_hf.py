@@ -1,13 +1,13 @@
 """Train a small Hugging Face causal LM on Shakespeare's sonnets with the Trainer, on zeroshard.
 
 The Trainer drives DeepSpeed through transformers' and accelerate's own code; with
-``zeroshard.compat.deepspeed`` enabled (first lines below) that DeepSpeed is zeroshard. The model is
+``zeroshard.deepspeed.imports`` enabled (first lines below) that DeepSpeed is zeroshard. The model is
 a byte-level Llama built from a config (nothing is downloaded) and the DeepSpeed config is the
 usual one full of ``"auto"`` values, which the Trainer fills in from its ``TrainingArguments``.
 
     zeroshard launch --nproc_per_node 2 examples/finetune_hf.py --stage 3
     zeroshard launch --nproc_per_node 2 examples/finetune_hf.py --stage 2 --steps 60 --output_dir /tmp/sonnets-lm
-    python -m zeroshard.compat.accelerate_launch --use_deepspeed --num_processes 2 examples/finetune_hf.py --stage 3
+    python -m zeroshard.deepspeed.accelerate_launch --use_deepspeed --num_processes 2 examples/finetune_hf.py --stage 3
 
 At the end it evaluates on held-out lines, saves the model (``from_pretrained`` loads it) and exits
 with status 1 when the last training loss is not below the first, so it doubles as a smoke test.
@@ -15,11 +15,11 @@ with status 1 when the last training loss is not below the first, so it doubles 
 
 from __future__ import annotations
 
-import zeroshard.compat.deepspeed
+import zeroshard.deepspeed.imports
 
 # Before transformers or accelerate are imported: they check for DeepSpeed once, at import. This
 # script asks for zeroshard explicitly, so it also hides a real DeepSpeed installed alongside.
-zeroshard.compat.deepspeed.enable(shadow=True)
+zeroshard.deepspeed.imports.enable(shadow=True)
 
 import argparse  # noqa: E402
 import os  # noqa: E402

@@ -1,9 +1,9 @@
-"""Regenerate ``src/zeroshard/engine_api/deepspeed_engine_api.json`` from DeepSpeed's source.
+"""Regenerate ``src/zeroshard/deepspeed/engine_api/deepspeed_engine_api.json`` from DeepSpeed's source.
 
 Reads ``deepspeed/runtime/engine.py`` of the installed DeepSpeed with :mod:`ast` (nothing of
 DeepSpeed is imported or run), lists every public method and property that ``DeepSpeedEngine``
 defines, and records for each zeroshard's status: ``works`` (the engine has it),
-``not-yet-supported`` (a row of ``zeroshard.engine_api.unsupported.NOT_YET_SUPPORTED``, with its
+``not-yet-supported`` (a row of ``zeroshard.deepspeed.engine_api.unsupported.NOT_YET_SUPPORTED``, with its
 reason) or ``missing`` (neither; ``tests/unit/test_engine_api.py`` fails on it).
 
     python scripts/gen_deepspeed_engine_api.py            # rewrite the JSON
@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from zeroshard.engine import ZeroEngine
-from zeroshard.engine_api import API_DATA, NOT_YET_SUPPORTED
+from zeroshard.deepspeed.engine import ZeroEngine
+from zeroshard.deepspeed.engine_api import API_DATA, NOT_YET_SUPPORTED
 
 
 def deepspeed_engine_source() -> tuple[str, str]:

@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh "test,deepspeed,docs"
 ruff check src tests examples benchmarks
 mypy
+lint-imports --no-cache
 docs_site="$(mktemp -d)"
 trap 'rm -rf "$docs_site"' EXIT
 mkdocs build --strict --site-dir "$docs_site"

@@ -87,7 +87,7 @@ class Model(nn.Module):
         self.checkpointed = False
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        import zeroshard.checkpointing as ckpt
+        import zeroshard.deepspeed.checkpointing as ckpt
 
         h = self.embed(idx)
         for block in self.blocks:
@@ -170,7 +170,7 @@ def measure(rank: int, world: int, args: argparse.Namespace, store: str | None,
     if store is not None:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
         group = dist.group.WORLD
-    import zeroshard.checkpointing as ckpt
+    import zeroshard.deepspeed.checkpointing as ckpt
 
     dev = torch.device(args.device)
     model = Model(args).to(dev)

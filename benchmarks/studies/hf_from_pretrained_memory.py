@@ -3,7 +3,7 @@
     python benchmarks/studies/hf_from_pretrained_memory.py [--world 2] [--layers 8] [--hidden 512] [--vocab 32000]
 
 Saves a Llama (``save_pretrained``, safetensors) and, on ``--world`` spawned gloo ranks with
-``zeroshard.compat.deepspeed`` enabled, loads it with ``AutoModelForCausalLM.from_pretrained`` under a
+``zeroshard.deepspeed.imports`` enabled, loads it with ``AutoModelForCausalLM.from_pretrained`` under a
 live ``HfDeepSpeedConfig`` at stage 3 (transformers builds it under ``zero.Init`` and copies the
 weights in with ``GatheredParameters(modifier_rank=0)``, rank 0 reading the checkpoint), then
 unsharded in the same processes. The measuring worker is the test's (``tests/hf/hf_memory.py``,

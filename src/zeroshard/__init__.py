@@ -20,30 +20,32 @@ from zeroshard.errors import (
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from zeroshard.accelerator import get_accelerator
     from zeroshard.core.comm.groups import init_distributed
-    from zeroshard.engine import ZeroEngine
+    from zeroshard.deepspeed.accelerator import get_accelerator
+    from zeroshard.deepspeed.engine import ZeroEngine
     from zeroshard.initialize import initialize
 
 _LAZY: dict[str, tuple[str, str | None]] = {
     "initialize": ("zeroshard.initialize", "initialize"),
     "init_distributed": ("zeroshard.core.comm.groups", "init_distributed"),
-    "ZeroEngine": ("zeroshard.engine", "ZeroEngine"),
+    "ZeroEngine": ("zeroshard.deepspeed.engine", "ZeroEngine"),
     "get_fp32_state_dict_from_zero_checkpoint": (
         "zeroshard.checkpoint.consolidate", "get_fp32_state_dict_from_zero_checkpoint"),
     "load_state_dict_from_zero_checkpoint": (
         "zeroshard.checkpoint.consolidate", "load_state_dict_from_zero_checkpoint"),
     "zero": ("zeroshard.zero", None),
-    "checkpointing": ("zeroshard.checkpointing", None),
-    "utils": ("zeroshard.utils", None),
-    "runtime": ("zeroshard.runtime", None),
-    "comm": ("zeroshard.comm", None),
-    "accelerator": ("zeroshard.accelerator", None),
-    "get_accelerator": ("zeroshard.accelerator", "get_accelerator"),
+    # DeepSpeed's names (modules, engine methods, the import layer): one package wrapping the core
+    "deepspeed": ("zeroshard.deepspeed", None),
+    "checkpointing": ("zeroshard.deepspeed.checkpointing", None),
+    "utils": ("zeroshard.deepspeed.utils", None),
+    "runtime": ("zeroshard.deepspeed.runtime", None),
+    "comm": ("zeroshard.deepspeed.comm", None),
+    "accelerator": ("zeroshard.deepspeed.accelerator", None),
+    "get_accelerator": ("zeroshard.deepspeed.accelerator", "get_accelerator"),
     # Mixture of Experts is outside zeroshard's scope: DeepSpeed's names, each use a clear error
-    "moe": ("zeroshard.compat.ds_moe", None),
+    "moe": ("zeroshard.deepspeed.moe", None),
     # as is pipeline parallelism
-    "pipe": ("zeroshard.compat.ds_pipe", None),
+    "pipe": ("zeroshard.deepspeed.pipe", None),
     "DeepSpeedConfig": ("zeroshard.config.deepspeed_config", "DeepSpeedConfig"),
     "add_config_arguments": ("zeroshard.config.deepspeed_config", "add_config_arguments"),
 }

@@ -1,8 +1,11 @@
-"""The training engine: forward, backward, step, with DeepSpeed's method names and semantics.
+"""The training engine: forward, backward, step, checkpoints.
 
-The engine wires a config to a stage (``ZeroOptimizer``), a precision policy and a loss scaler,
-and counts micro-steps. It holds no sharding logic of its own: ``backward`` brackets autograd
-with the stage's gradient sync, and ``step`` calls the stage at accumulation boundaries.
+The engine drives a stage built by :mod:`zeroshard.core.build` (reached through
+:class:`zeroshard.core.seam.Stage`), a precision policy and the accumulation window
+(:class:`zeroshard.window.AccumulationWindow`). It holds no sharding logic of its own: ``backward``
+brackets autograd with the stage's gradient sync, and ``step`` calls the stage at accumulation
+boundaries. DeepSpeed's other engine methods are added by :class:`zeroshard.deepspeed.engine.ZeroEngine`,
+the class ``initialize`` returns.
 """
 
 from __future__ import annotations
@@ -21,14 +24,13 @@ from zeroshard.core.comm.groups import local_rank
 from zeroshard.core.comm.watchdog import guarded
 from zeroshard.core.precision import LossScaler, PrecisionPolicy
 from zeroshard.core.zero_optimizer import ZeroOptimizer
-from zeroshard.engine_api import DeepSpeedEngineAPI
 from zeroshard.monitor import MonitorMaster, Reporter
 from zeroshard.monitor.comms import CommsLogger
-from zeroshard.monitor.ds_timers import ThroughputTimer
 from zeroshard.monitor.gather_timing import time_forward_gathers
 from zeroshard.monitor.timers import WallClockTimers
 from zeroshard.optim.no_optimizer import NoOptimizer
 from zeroshard.profiling import FlopsProfiler, RunInfo
+from zeroshard.step_checks import check_stray_gradients, check_unused_parameters, warn_unfrozen
 from zeroshard.window import AccumulationWindow
 
 logger = logging.getLogger("zeroshard")
@@ -39,10 +41,11 @@ def _window_field(name: str, doc: str) -> Any:
     return property(lambda self: getattr(self.window, name), lambda self, v: setattr(self.window, name, v), doc=doc)
 
 
-class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
+class Engine(torch.nn.Module):
     """Wraps a module for sharded, mixed-precision data-parallel training.
 
-    Built by :func:`zeroshard.initialize`; use ``engine(batch)``, ``engine.backward(loss)`` and
+    Built by :func:`zeroshard.initialize` (as its subclass with DeepSpeed's methods,
+    :class:`zeroshard.ZeroEngine`); use ``engine(batch)``, ``engine.backward(loss)`` and
     ``engine.step()`` exactly as with DeepSpeed's engine.
     """
 
@@ -81,9 +84,6 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
         self._frozen_at_initialize = [(n, p) for n, p in module.named_parameters()
                                       if p not in optimizer.master.views and not p.requires_grad]
         self.timers = WallClockTimers(enabled=bool(config.wall_clock_breakdown), device=self.device)
-        #: DeepSpeed's throughput timer (``timers.throughput``), which scripts read and drive
-        #: (``update_epoch_count()``, ``avg_samples_per_sec()``); it never logs: the step log reports throughput
-        self.tput_timer = ThroughputTimer(config.timers.throughput, batch_size=self.train_batch_size())
         #: ZeRO-3's parameter coordinator (``None`` at stages 0-2)
         self._coordinator = optimizer.coordinator
         if self._coordinator is not None:
@@ -110,6 +110,18 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
     def zero_optimization_stage(self) -> int:
         """The ZeRO stage in use."""
         return int(self.optimizer.spec.stage)
+
+    def train_batch_size(self) -> int:
+        """Samples per optimizer step over all ranks."""
+        return int(self.config.train_batch_size or 0)
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per rank per micro-step."""
+        return int(self.config.train_micro_batch_size_per_gpu or 0)
+
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-steps per optimizer step."""
+        return int(self.config.gradient_accumulation_steps or 0)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-step ends an accumulation window (the next ``step`` updates): the
@@ -193,7 +205,6 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
             if torch.is_grad_enabled():
                 self.window.forwards += 1  # stages 0-2 may run forwards on some ranks only (no collectives)
         self.reporter.count_forward(args, kwargs)
-        self.tput_timer.start()  # DeepSpeed's dataloader starts it when it has one (data loading counts there)
         profiled = self.flops_profiler.forward(self.global_steps) if self.flops_profiler is not None else nullcontext()
         with self.timers("forward"), profiled:
             return self.module(*args, **kwargs)
@@ -253,7 +264,6 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
             # frozen whole) the optimizer step below would never call it.
             self.optimizer.optimizer.step()
         boundary = w.is_boundary()
-        self.tput_timer.stop(global_step=boundary, report_speed=False)
         if boundary and w.first_extra_step():  # DeepSpeed is silent: the window ends early, on fewer gradients
             logger.warning("engine.step() was called %d times for %d engine.backward() calls in this accumulation "
                            "window of %d micro-steps: each step() call counts one micro-step, so the optimizer "
@@ -265,9 +275,11 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
             return
         w.close()
         self._new_window()
-        self._check_stray_gradients()
-        self._check_unused_parameters()
-        self._check_unfrozen_parameters()
+        check_stray_gradients(self.module, self.optimizer.sync)
+        if not self.config.zero_optimization.ignore_unused_parameters:
+            check_unused_parameters(self.module, self.optimizer.sync)
+        if self._frozen_at_initialize and warn_unfrozen(self._frozen_at_initialize, self.global_rank):
+            self._frozen_at_initialize = []  # said once
         self._log_memory("before step")
         with self.timers("step"):
             try:
@@ -282,6 +294,12 @@ class ZeroEngine(DeepSpeedEngineAPI, torch.nn.Module):
         self._report(applied)
         if self.flops_profiler is not None:
             self.flops_profiler.step_done(self.global_steps - 1)  # reports the profiled step
+
+    def _log_memory(self, where: str) -> None:
+        """``memory_breakdown: true``: log this rank's bytes at points of the step (rank 0)."""
+        if self.config.memory_breakdown and self.global_rank == 0:
+            logger.info("zeroshard: memory %s: %s", where,
+                        " ".join(f"{k}={v / 2**20:.1f}MiB" for k, v in self.memory_usage().items()))
 
     def _new_window(self) -> None:
         self.window.restart()

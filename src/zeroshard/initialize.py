@@ -39,7 +39,8 @@ from zeroshard.core.zero3.units import (
     set_z3_leaf_modules_by_suffix,
 )
 from zeroshard.core.zero_optimizer import StageSpec, ZeroOptimizer
-from zeroshard.engine import ZeroEngine
+from zeroshard.deepspeed.engine import ZeroEngine
+from zeroshard.deepspeed.param_attrs import DEEPSPEED_PARAM_ATTRS
 from zeroshard.errors import ConfigError, NotYetSupportedError, ZeroshardError
 from zeroshard.model_checks import check_model
 from zeroshard.monitor.logs import install_default_handler
@@ -48,7 +49,6 @@ from zeroshard.optim.no_optimizer import NoOptimizer
 from zeroshard.optim.shape_dependent import refuse_shape_dependent
 from zeroshard.zero.external import add_external_parameters_accessor
 from zeroshard.zero.init import materialize_init_params, outside_init
-from zeroshard.zero.param_attrs import DEEPSPEED_PARAM_ATTRS
 
 logger = logging.getLogger("zeroshard")
 

@@ -283,8 +283,8 @@ def test_zero_init_parameters_carry_deepspeeds_status() -> None:
 
 
 def _stage_classes(rank: int, world: int) -> dict[str, Any]:
-    from zeroshard.compat.ds_param_offload import ZeROOrderedDict
-    from zeroshard.compat.ds_stage_classes import DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3
+    from zeroshard.deepspeed.param_offload import ZeROOrderedDict
+    from zeroshard.deepspeed.stage_classes import DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3
 
     out = {}
     for stage in (1, 2, 3):

@@ -1,7 +1,7 @@
 """DeepSpeed's engine API, module surface and config keys on a real 2-rank job, ZeRO stages 0-3.
 
 One spawned run walks every public method and property of DeepSpeed 0.19.8's ``DeepSpeedEngine``
-(from ``src/zeroshard/engine_api/deepspeed_engine_api.json``) on an engine at each stage: each
+(from ``src/zeroshard/deepspeed/engine_api/deepspeed_engine_api.json``) on an engine at each stage: each
 zero-argument method is called and each property read; those marked working must not raise, the
 others must raise ``NotYetSupportedError`` naming themselves. Methods with arguments that scripts
 notice are checked one by one (``backward``'s return, ``step(lr_kwargs=)``, ``no_sync``, batch-size
@@ -81,7 +81,11 @@ def _walk(engine: Any, methods: list[dict[str, Any]]) -> dict[str, str]:
 
 def _first_step(engine: Any, rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
     """Micro-steps of optimizer step 0 with the checks that need the window open."""
-    from zeroshard.utils import safe_get_full_grad, safe_get_full_optimizer_state, safe_get_local_optimizer_state
+    from zeroshard.deepspeed.utils import (
+        safe_get_full_grad,
+        safe_get_full_optimizer_state,
+        safe_get_local_optimizer_state,
+    )
 
     ga = engine.gradient_accumulation_steps()
     micro_bs = GLOBAL_BATCH // (ga * world)
@@ -103,7 +107,7 @@ def _first_step(engine: Any, rank: int, world: int, x: torch.Tensor, y: torch.Te
 
 
 def _utils_checks(engine: Any) -> dict[str, Any]:
-    from zeroshard import utils
+    from zeroshard.deepspeed import utils
 
     out: dict[str, Any] = {}
     named = dict(engine.module.named_parameters())
@@ -133,7 +137,7 @@ def _utils_checks(engine: Any) -> dict[str, Any]:
 
 def api_worker(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
     import zeroshard as deepspeed
-    from zeroshard.engine_api import API_DATA
+    from zeroshard.deepspeed.engine_api import API_DATA
 
     methods = json.loads(API_DATA.read_text())["methods"]
     x, y = make_data(2, GLOBAL_BATCH)
@@ -208,7 +212,7 @@ def _reference_first_step() -> tuple[dict[str, torch.Tensor], dict[str, torch.Te
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_every_deepspeed_engine_method(api_results: list[dict[str, Any]], stage: int) -> None:
-    from zeroshard.engine_api import API_DATA
+    from zeroshard.deepspeed.engine_api import API_DATA
 
     methods = json.loads(API_DATA.read_text())["methods"]
     walk = api_results[0][stage]["walk"]

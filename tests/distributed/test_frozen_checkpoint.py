@@ -27,7 +27,7 @@ from safetensors import safe_open
 import zeroshard
 from zeroshard.checkpoint.paths import marker_text
 from zeroshard.checkpoint.safetensors_io import CRC_KEY, TensorSpec, write_safetensors
-from zeroshard.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+from zeroshard.deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 K, J, MB, SAMPLES, LR = 3, 3, 3, 12, 1e-2
 TOL = 1e-5

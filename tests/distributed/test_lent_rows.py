@@ -17,7 +17,7 @@ from harness import run_distributed
 from torch import nn
 
 import zeroshard
-from zeroshard.utils import safe_get_full_fp32_param
+from zeroshard.deepspeed.utils import safe_get_full_fp32_param
 
 VOCAB, DIM, HID, STEPS, GA, BATCH, LR = 37, 400, 301, 4, 2, 8, 1e-2
 

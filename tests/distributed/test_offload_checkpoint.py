@@ -38,7 +38,7 @@ from harness import run_distributed
 from models import make_data, make_model, micro_batch, relative_distance
 
 import zeroshard
-from zeroshard.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param
+from zeroshard.deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param
 
 K, J = 3, 3
 GLOBAL_BATCH, GA = 24, 2

@@ -30,7 +30,7 @@ from harness import run_distributed
 from torch import nn
 
 import zeroshard
-from zeroshard.utils import safe_get_full_fp32_param
+from zeroshard.deepspeed.utils import safe_get_full_fp32_param
 
 DIM, HID, OUT, STEPS, GA, MB, LR, CLIP = 13, 37, 5, 30, 2, 3, 1e-2, 0.05
 #: the ``extra`` branch runs in windows where step % 3 == 1 (every rank, both micro-steps)

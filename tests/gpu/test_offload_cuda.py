@@ -15,7 +15,7 @@ import torch
 from models import make_data, make_model
 
 import zeroshard
-from zeroshard.utils import safe_get_full_fp32_param
+from zeroshard.deepspeed.utils import safe_get_full_fp32_param
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

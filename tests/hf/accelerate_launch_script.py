@@ -1,5 +1,5 @@
 """An ordinary accelerate training script, launched by ``test_hf_accelerate_launch.py`` with
-``python -m zeroshard.compat.accelerate_launch --use_deepspeed ...``: nothing here mentions zeroshard.
+``python -m zeroshard.deepspeed.accelerate_launch --use_deepspeed ...``: nothing here mentions zeroshard.
 
 The DeepSpeed settings (stage, accumulation, clipping) come from the launcher's flags through the
 environment, as with ``accelerate launch``. Each rank writes what it saw to ``OUT/rank<r>.json``.

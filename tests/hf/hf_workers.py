@@ -1,6 +1,6 @@
 """Spawned workers of the Hugging Face contract tests (``tests/hf/test_hf_*.py``).
 
-Each worker enables ``zeroshard.compat.deepspeed`` *before* importing transformers or accelerate
+Each worker enables ``zeroshard.deepspeed.imports`` *before* importing transformers or accelerate
 (they decide at import whether DeepSpeed is there), so nothing Hugging Face is imported at the top
 of this module. The real DeepSpeed is installed with the test extras, hence ``shadow=True``.
 
@@ -24,7 +24,7 @@ OFFLOAD = {"stage2_offload_cpu": (2, "cpu", "none"), "stage3_offload_nvme": (3, 
 
 
 def enable_layer() -> None:
-    import zeroshard.compat.deepspeed as layer
+    import zeroshard.deepspeed.imports as layer
 
     layer.enable(shadow=True)
 

@@ -1,6 +1,6 @@
 """``accelerate launch --use_deepspeed`` on zeroshard (issue 13): one real launch through accelerate's
 own launcher (``torch.distributed.run`` inside it), 2 CPU workers, ZeRO-3 with the stage, accumulation
-and clipping given as launcher flags, via ``python -m zeroshard.compat.accelerate_launch``.
+and clipping given as launcher flags, via ``python -m zeroshard.deepspeed.accelerate_launch``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ if importlib.util.find_spec("accelerate") is None or importlib.util.find_spec("a
 pytest.importorskip("transformers", reason="transformers is not installed (pip install 'zeroshard[hf]')")
 
 SCRIPT = Path(__file__).resolve().parent / "accelerate_launch_script.py"
-LAUNCH = [sys.executable, "-m", "zeroshard.compat.accelerate_launch", "--shadow"]  # the test extras install DeepSpeed
+# the test extras install DeepSpeed
+LAUNCH = [sys.executable, "-m", "zeroshard.deepspeed.accelerate_launch", "--shadow"]
 
 
 def test_accelerate_launch_use_deepspeed_trains_on_zeroshard(tmp_path: Path) -> None:
@@ -31,7 +32,7 @@ def test_accelerate_launch_use_deepspeed_trains_on_zeroshard(tmp_path: Path) -> 
     for rank in (0, 1):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert r["deepspeed"].startswith("0.19.8+zeroshard"), r  # the workers' `import deepspeed` is zeroshard
-        assert r["engine"] == "zeroshard.engine.ZeroEngine", r
+        assert r["engine"] == "zeroshard.deepspeed.engine.ZeroEngine", r
         # the launcher's flags reached the engine through accelerate's environment
         assert (r["distributed_type"], r["world"], r["stage"], r["gas"], r["clip"]) == (
             "DistributedType.DEEPSPEED", 2, 3, 2, 0.5), r

@@ -1,5 +1,5 @@
 """Hugging Face end to end (issue 13): the real transformers and accelerate drive zeroshard through
-``zeroshard.compat.deepspeed``, on 2 gloo ranks, with a tiny Llama built from a config (no download).
+``zeroshard.deepspeed.imports``, on 2 gloo ranks, with a tiny Llama built from a config (no download).
 
 Two spawned runs serve every test (spawning and importing transformers dominate the time):
 ``trained`` runs the Trainer at stages 0-3 with an all-``"auto"`` config, and again at stage 2 with

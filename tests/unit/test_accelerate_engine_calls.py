@@ -15,7 +15,7 @@ from zeroshard.config import load_config
 GAS = 3
 
 
-def _engine(stage: int = 1) -> zeroshard.engine.ZeroEngine:
+def _engine(stage: int = 1) -> zeroshard.deepspeed.engine.ZeroEngine:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
     engine, *_ = zeroshard.initialize(model=model, config={

@@ -1,4 +1,4 @@
-"""zeroshard.checkpointing (activation checkpointing) in one process: parity with the model run without
+"""zeroshard.deepspeed.checkpointing (activation checkpointing) in one process: parity with the model run without
 it (dropout included: the recomputation must draw the forward's masks), the memory it saves, measured
 two ways, and DeepSpeed's configure()/config-block API.
 
@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import zeroshard
-import zeroshard.checkpointing as ckpt
+import zeroshard.deepspeed.checkpointing as ckpt
 from zeroshard.activations import STATS, configure_from_initialize, current, unconfigure
 from zeroshard.config import load_config
 from zeroshard.errors import ConfigError

@@ -1,4 +1,4 @@
-"""The opt-in DeepSpeed compatibility layer (``zeroshard.compat.deepspeed``).
+"""The opt-in DeepSpeed compatibility layer (``zeroshard.deepspeed.imports``).
 
 Everything that enables the layer runs in a subprocess, so its finder and ``deepspeed`` stand-ins
 never leak into other tests. The real DeepSpeed is installed with the test extras: the refusal and
@@ -19,8 +19,8 @@ import torch
 from packaging.version import Version
 
 import zeroshard
-from zeroshard.compat import ds_misc, ds_ops
-from zeroshard.compat.deepspeed import DISTRIBUTION_VERSION
+from zeroshard.deepspeed import misc, ops
+from zeroshard.deepspeed.imports import DISTRIBUTION_VERSION
 from zeroshard.errors import ConfigError, NotYetSupportedError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,9 +42,10 @@ def test_nothing_changes_without_enable() -> None:
         import importlib.metadata, importlib.util, sys
         import zeroshard, zeroshard.engine, zeroshard.initialize, zeroshard.zero
         zeroshard.initialize, zeroshard.runtime, zeroshard.utils
-        assert not [m for m in sys.modules if m.startswith("zeroshard.compat")], "core imports the layer"
+        layer_modules = ("zeroshard.deepspeed.imports", "zeroshard.deepspeed.surface")
+        assert not [m for m in sys.modules if m.startswith(layer_modules)], "core imports the import layer"
         before = list(sys.meta_path)
-        import zeroshard.compat.deepspeed as layer
+        import zeroshard.deepspeed.imports as layer
         assert not layer.is_enabled() and sys.meta_path == before
         assert "deepspeed" not in sys.modules
         spec = importlib.util.find_spec("deepspeed")
@@ -66,7 +67,7 @@ def test_refuses_to_hide_the_real_deepspeed() -> None:
     _run("""
         import importlib.util, sys
         from zeroshard.errors import ZeroshardError
-        import zeroshard.compat.deepspeed as layer
+        import zeroshard.deepspeed.imports as layer
         before = list(sys.meta_path)
         try:
             layer.enable()
@@ -85,10 +86,10 @@ def test_shadow_resolves_to_zeroshard_and_disable_restores() -> None:
     proc = _run("""
         import importlib.metadata, importlib.util, sys
         import zeroshard, zeroshard.zero
-        from zeroshard.engine import ZeroEngine
+        from zeroshard.deepspeed.engine import ZeroEngine
         from zeroshard.errors import NotYetSupportedError
-        import zeroshard.compat.deepspeed as layer
-        from zeroshard.compat.ds_surface import DeepSpeedModule
+        import zeroshard.deepspeed.imports as layer
+        from zeroshard.deepspeed.surface import DeepSpeedModule
         before = list(sys.meta_path)
         layer.enable(shadow=True)
         layer.enable(shadow=True)  # idempotent
@@ -128,7 +129,7 @@ def test_shadow_resolves_to_zeroshard_and_disable_restores() -> None:
         try:
             import deepspeed.inference.engine
         except ModuleNotFoundError as exc:
-            assert "zeroshard.compat.deepspeed" in str(exc) and exc.name == "deepspeed.inference", exc
+            assert "zeroshard.deepspeed.imports" in str(exc) and exc.name == "deepspeed.inference", exc
         else:
             raise AssertionError("an unknown deepspeed module imported")
 
@@ -157,8 +158,8 @@ def test_every_probed_name_resolves() -> None:
     object, or a placeholder whose use raises NotYetSupportedError; never an ImportError."""
     _run(f"""
         import json
-        import zeroshard.compat.deepspeed as layer
-        from zeroshard.compat.ds_surface import resolve
+        import zeroshard.deepspeed.imports as layer
+        from zeroshard.deepspeed.surface import resolve
         from zeroshard.errors import NotYetSupportedError
         layer.enable(shadow=True)
         rows = json.load(open({str(SURFACE)!r}))["uses"]
@@ -193,7 +194,7 @@ HAS_HF = importlib.util.find_spec("transformers") is not None and importlib.util
 def test_transformers_and_accelerate_see_deepspeed() -> None:
     _run("""
         import warnings
-        import zeroshard.compat.deepspeed as layer
+        import zeroshard.deepspeed.imports as layer
         layer.enable(shadow=True)
         from transformers.integrations import is_deepspeed_available, deepspeed as hf_ds
         from accelerate.utils import is_deepspeed_available as acc_available, HfDeepSpeedConfig as AccConfig
@@ -216,9 +217,9 @@ def test_transformers_and_accelerate_see_deepspeed() -> None:
 def test_runner_enables_the_layer_for_a_script(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text("import sys, deepspeed\nprint(deepspeed.__version__, sys.argv[1:])\n")
-    proc = _run("", "-m", "zeroshard.compat.deepspeed", "--shadow", str(script), "--deepspeed", "ds.json")
+    proc = _run("", "-m", "zeroshard.deepspeed.imports", "--shadow", str(script), "--deepspeed", "ds.json")
     assert proc.stdout.split() == [DISTRIBUTION_VERSION, "['--deepspeed',", "'ds.json']"], proc.stdout
-    refused = subprocess.run([sys.executable, "-m", "zeroshard.compat.deepspeed", str(script)],
+    refused = subprocess.run([sys.executable, "-m", "zeroshard.deepspeed.imports", str(script)],
                              capture_output=True, text=True, timeout=240, cwd=REPO)
     assert refused.returncode != 0 and "DeepSpeedShadowError" in refused.stderr, refused.stderr
 
@@ -238,7 +239,7 @@ def test_cpu_adam_matches_torch(adamw: bool) -> None:
     ours_p = [torch.randn(7, 3, requires_grad=True), torch.randn(5, requires_grad=True)]
     ref_p = [p.detach().clone().requires_grad_() for p in ours_p]
     source = torch.optim.AdamW(ours_p, lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)
-    ours = ds_ops.DeepSpeedCPUAdam(source.param_groups, lr=1e-2, weight_decay=0.1, adamw_mode=adamw)
+    ours = ops.DeepSpeedCPUAdam(source.param_groups, lr=1e-2, weight_decay=0.1, adamw_mode=adamw)
     ref = _adam_reference(adamw, ref_p)
     for step in range(3):
         for params, opt in ((ours_p, ours), (ref_p, ref)):
@@ -251,20 +252,20 @@ def test_cpu_adam_matches_torch(adamw: bool) -> None:
 
 def test_fused_adam_defaults_and_refusals() -> None:
     p = [torch.zeros(3, requires_grad=True)]
-    opt = ds_ops.FusedAdam(p)
+    opt = ops.FusedAdam(p)
     assert opt.defaults["decoupled_weight_decay"] is True and opt.defaults["weight_decay"] == 0.0
     with pytest.raises(NotYetSupportedError, match="bias_correction"):
-        ds_ops.FusedAdam(p, bias_correction=False)
+        ops.FusedAdam(p, bias_correction=False)
     with pytest.raises(NotYetSupportedError, match="fp32_optimizer_states"):
-        ds_ops.DeepSpeedCPUAdam(p, fp32_optimizer_states=False)
+        ops.DeepSpeedCPUAdam(p, fp32_optimizer_states=False)
     with pytest.raises(ConfigError, match="amsgrad"):
-        ds_ops.FusedAdam(p, amsgrad=True)
+        ops.FusedAdam(p, amsgrad=True)
 
 
 def test_clone_tensors_for_torch_save() -> None:
     base = torch.arange(6.0)
     state = {"a": base[:3], "b": [base[3:], (1, "x")], "c": None}
-    out = ds_misc.clone_tensors_for_torch_save(state)
+    out = misc.clone_tensors_for_torch_save(state)
     assert out["a"].untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
     assert out["a"].tolist() == [0.0, 1.0, 2.0] and out["b"][0].tolist() == [3.0, 4.0, 5.0]
     assert out["b"][1] == (1, "x") and out["c"] is None and isinstance(out["b"][1], tuple)
@@ -274,12 +275,12 @@ def test_names_deepspeed_examples_import_under_the_shadow() -> None:
     """What DeepSpeedExamples' cifar10_deepspeed.py and DeepSpeed-Chat (step 1 and dschat/utils) import
     resolves to zeroshard's objects, and cifar10's dense path with --moe-param-group trains."""
     _run("""
-        import zeroshard.compat.deepspeed as layer
+        import zeroshard.deepspeed.imports as layer
         layer.enable(shadow=True)
         import torch
-        import zeroshard, zeroshard.accelerator, zeroshard.utils.zero_to_fp32 as z2f
-        from zeroshard.compat import ds_misc
-        from zeroshard.monitor import ds_timers as ds_timer
+        import zeroshard, zeroshard.deepspeed.accelerator, zeroshard.deepspeed.utils.zero_to_fp32 as z2f
+        from zeroshard.deepspeed import misc
+        from zeroshard.deepspeed import timers as ds_timer
         from zeroshard.errors import NotYetSupportedError
         from zeroshard.zero.param_status import ZeroParamStatus as Ours
 
@@ -292,10 +293,10 @@ def test_names_deepspeed_examples_import_under_the_shadow() -> None:
         assert deepspeed.runtime.zero.partition_parameters.ZeroParamStatus.NOT_AVAILABLE is Ours.NOT_AVAILABLE
         from deepspeed.compression.helper import recursive_getattr, recursive_setattr
         from deepspeed.utils.module_utils import recursive_getattr as getattr2
-        assert recursive_getattr is getattr2 is ds_misc.recursive_getattr
-        assert recursive_setattr is ds_misc.recursive_setattr
+        assert recursive_getattr is getattr2 is misc.recursive_getattr
+        assert recursive_setattr is misc.recursive_setattr
         from deepspeed.runtime.utils import see_memory_usage
-        assert see_memory_usage is ds_misc.see_memory_usage
+        assert see_memory_usage is misc.see_memory_usage
         from deepspeed.utils.timer import SynchronizedWallClockTimer, ThroughputTimer
         assert SynchronizedWallClockTimer is ds_timer.SynchronizedWallClockTimer
         assert ThroughputTimer is ds_timer.ThroughputTimer
@@ -353,21 +354,21 @@ def test_get_accelerator_at_top_level() -> None:
 
 def test_recursive_getattr_and_setattr() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Sequential(torch.nn.Linear(3, 3)))
-    assert ds_misc.recursive_getattr(model, "1.0") is model[1][0]
-    assert ds_misc.recursive_getattr(model, "1.0.weight") is model[1][0].weight
+    assert misc.recursive_getattr(model, "1.0") is model[1][0]
+    assert misc.recursive_getattr(model, "1.0.weight") is model[1][0].weight
     replacement = torch.nn.Linear(3, 3, bias=False)
-    ds_misc.recursive_setattr(model, "1.0", replacement)  # DeepSpeed-Chat's LoRA swap
+    misc.recursive_setattr(model, "1.0", replacement)  # DeepSpeed-Chat's LoRA swap
     assert model[1][0] is replacement and dict(model.named_modules())["1.0"] is replacement
-    ds_misc.recursive_setattr(model, "extra", torch.nn.ReLU())  # a single name: on the model itself
+    misc.recursive_setattr(model, "extra", torch.nn.ReLU())  # a single name: on the model itself
     assert isinstance(model.extra, torch.nn.ReLU)
     with pytest.raises(AttributeError):
-        ds_misc.recursive_getattr(model, "1.nope")
+        misc.recursive_getattr(model, "1.nope")
 
 
 def test_see_memory_usage(capsys: pytest.CaptureFixture[str]) -> None:
-    ds_misc.see_memory_usage("quiet")  # force=False: nothing, as DeepSpeed
+    misc.see_memory_usage("quiet")  # force=False: nothing, as DeepSpeed
     assert capsys.readouterr().out == ""
-    ds_misc.see_memory_usage("after init", force=True)
+    misc.see_memory_usage("after init", force=True)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "after init" and lines[1].startswith("MA ") and "Max_CA" in lines[1], lines
     assert lines[2].startswith("CPU Virtual Memory:  used = ") and "percent" in lines[2], lines
@@ -377,7 +378,7 @@ def test_timers(capsys: pytest.CaptureFixture[str]) -> None:
     import time
     from types import SimpleNamespace
 
-    from zeroshard.monitor.ds_timers import SynchronizedWallClockTimer, ThroughputTimer
+    from zeroshard.deepspeed.timers import SynchronizedWallClockTimer, ThroughputTimer
 
     timers = SynchronizedWallClockTimer()
     timers("fwd").start()
@@ -445,22 +446,22 @@ def test_pipe_names_import_and_refuse() -> None:
 def test_pipe_dataloader_and_seed_names_under_the_shadow() -> None:
     """DeepSpeedExamples' pipeline_parallelism/train.py imports these at top level."""
     _run("""
-        import zeroshard.compat.deepspeed as layer
+        import zeroshard.deepspeed.imports as layer
         layer.enable(shadow=True)
-        import zeroshard.utils
-        from zeroshard.compat import ds_misc, ds_pipe
+        import zeroshard.deepspeed.utils
+        from zeroshard.deepspeed import misc, pipe
         from deepspeed.pipe import PipelineModule
         from deepspeed.utils import RepeatingLoader
         from deepspeed.runtime.dataloader import RepeatingLoader as Loader2
         from deepspeed.runtime.utils import set_random_seed
-        assert PipelineModule is ds_pipe.PipelineModule and set_random_seed is ds_misc.set_random_seed
+        assert PipelineModule is pipe.PipelineModule and set_random_seed is misc.set_random_seed
         assert RepeatingLoader is Loader2 is zeroshard.utils.RepeatingLoader
     """)
 
 
 def test_repeating_loader_and_set_random_seed() -> None:
-    from zeroshard.compat.ds_misc import set_random_seed
-    from zeroshard.utils import RepeatingLoader
+    from zeroshard.deepspeed.misc import set_random_seed
+    from zeroshard.deepspeed.utils import RepeatingLoader
 
     loader = RepeatingLoader([1, 2, 3])
     assert [next(loader) for _ in range(7)] == [1, 2, 3, 1, 2, 3, 1]
@@ -476,7 +477,7 @@ def test_base_optimizer_names_are_zeroshards_optimizer() -> None:
     restores the optimizer state only if an object in the state is a ``DeepSpeedOptimizer``: the module
     was missing (ModuleNotFoundError)."""
     _run("""
-        import zeroshard.compat.deepspeed as layer
+        import zeroshard.deepspeed.imports as layer
         layer.enable(shadow=True)
         from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer, ZeROOptimizer
         from zeroshard.core.zero3.stage3 import Stage3Optimizer

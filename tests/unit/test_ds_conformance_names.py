@@ -20,20 +20,20 @@ import torch
 from torch import nn
 
 import zeroshard
-from zeroshard.accelerator import is_current_accelerator_supported
-from zeroshard.compat import ds_op_builder, ds_version_info
-from zeroshard.compat.ds_misc import OffloadDeviceEnum, get_model_ckpt_name_for_rank, required_torch_version
-from zeroshard.errors import NotYetSupportedError, ZeroshardError
-from zeroshard.runtime.zero.stage3 import unwrap_model_for_generation
-from zeroshard.runtime.zero.tiling import TiledLinear, TiledLinearReturnBias, partition_uniform
-from zeroshard.runtime.zero.utils import ZeRORuntimeException
-from zeroshard.utils import (
+from zeroshard.deepspeed import op_builder, version_info
+from zeroshard.deepspeed.accelerator import is_current_accelerator_supported
+from zeroshard.deepspeed.misc import OffloadDeviceEnum, get_model_ckpt_name_for_rank, required_torch_version
+from zeroshard.deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+from zeroshard.deepspeed.runtime.zero.tiling import TiledLinear, TiledLinearReturnBias, partition_uniform
+from zeroshard.deepspeed.runtime.zero.utils import ZeRORuntimeException
+from zeroshard.deepspeed.utils import (
     safe_get_full_grad,
     safe_update_full_grad_vectorized,
     set_z3_leaf_modules_by_name,
     set_z3_leaf_modules_by_suffix,
     z3_leaf_module,
 )
+from zeroshard.errors import NotYetSupportedError, ZeroshardError
 from zeroshard.zero.param_status import ZeroParamStatus
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,7 +54,7 @@ def test_current_accelerator_is_supported() -> None:
 
 
 def test_git_version_info_describes_the_installed_torch() -> None:
-    info = ds_version_info.torch_info
+    info = version_info.torch_info
     assert set(info) == {"version", "bf16_support", "cuda_version", "nccl_version", "hip_version"}
     major, minor = torch.__version__.split("+")[0].split(".")[:2]
     assert info["version"] == f"{major}.{minor}"
@@ -64,10 +64,10 @@ def test_git_version_info_describes_the_installed_torch() -> None:
         assert info["nccl_version"] == "0.0" and info["bf16_support"] is False
     for key in ("version", "cuda_version", "nccl_version", "hip_version"):  # readers take int(major), int(minor)
         assert len([int(p) for p in str(info[key]).split(".")]) == 2, info
-    assert ds_version_info.version.startswith("0.19.8+zeroshard")
-    assert ds_version_info.accelerator_name == zeroshard.get_accelerator().device_name()
-    assert ds_version_info.installed_ops and not any(ds_version_info.installed_ops.values())
-    assert ds_version_info.git_hash == ds_version_info.git_branch == "unknown"
+    assert version_info.version.startswith("0.19.8+zeroshard")
+    assert version_info.accelerator_name == zeroshard.get_accelerator().device_name()
+    assert version_info.installed_ops and not any(version_info.installed_ops.values())
+    assert version_info.git_hash == version_info.git_branch == "unknown"
 
 
 def test_op_builders_say_what_zeroshard_provides() -> None:
@@ -76,17 +76,17 @@ def test_op_builders_say_what_zeroshard_provides() -> None:
                 "AsyncIOBuilder": ("async_io", True), "FusedLambBuilder": ("fused_lamb", False),
                 "QuantizerBuilder": ("quantizer", False), "TransformerBuilder": ("transformer", False)}
     for cls_name, (name, provided) in expected.items():
-        cls = ds_op_builder.BUILDERS[cls_name]
+        cls = op_builder.BUILDERS[cls_name]
         assert cls.NAME == name and cls().name == name
         assert cls().is_compatible() is provided and cls().is_compatible(verbose=True) is provided
-        assert ds_op_builder.COMPATIBLE_OPS[name] is provided
-    assert ds_op_builder.COMPATIBLE_OPS["deepspeed_not_implemented"] is False
-    assert set(ds_op_builder.COMPATIBLE_OPS) == {c.NAME for c in ds_op_builder.BUILDERS.values()}
+        assert op_builder.COMPATIBLE_OPS[name] is provided
+    assert op_builder.COMPATIBLE_OPS["deepspeed_not_implemented"] is False
+    assert set(op_builder.COMPATIBLE_OPS) == {c.NAME for c in op_builder.BUILDERS.values()}
 
 
 @pytest.mark.parametrize("cls_name", ["CPUAdamBuilder", "FusedLambBuilder"])
 def test_op_builder_load_says_no_compiled_ops(cls_name: str) -> None:
-    builder = ds_op_builder.BUILDERS[cls_name]()
+    builder = op_builder.BUILDERS[cls_name]()
     for load in (builder.load, builder.jit_load):
         with pytest.raises(NotYetSupportedError, match="zeroshard builds no compiled ops"):
             load()
@@ -112,7 +112,7 @@ def test_op_builder_names_are_deepspeeds() -> None:
         print(json.dumps(names))
     """, env={**os.environ, "DS_ACCELERATOR": "cpu"})
     real = json.loads(out.strip().splitlines()[-1])
-    ours = {name: cls.NAME for name, cls in ds_op_builder.BUILDERS.items()}
+    ours = {name: cls.NAME for name, cls in op_builder.BUILDERS.items()}
     common = set(real) & set(ours)
     assert len(common) >= 20, sorted(common)
     assert {n: ours[n] for n in common} == {n: real[n] for n in common}
@@ -293,7 +293,7 @@ def test_small_names() -> None:
 def test_layer_presents_the_names() -> None:
     _run("""
         import sys, types
-        import zeroshard.compat.deepspeed as layer
+        import zeroshard.deepspeed.imports as layer
         layer.enable(shadow=True)
         import deepspeed, deepspeed.ops, deepspeed.utils
         import torch
@@ -311,7 +311,7 @@ def test_layer_presents_the_names() -> None:
         from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
         from deepspeed.runtime.zero.leaf_module_config import DEFAULT_LEAF_MODULE_CLASSES
         from zeroshard.errors import ConfigError, NotYetSupportedError
-        import zeroshard.runtime.zero.tiling as tiling, zeroshard.core.zero3.units as units
+        import zeroshard.deepspeed.runtime.zero.tiling as tiling, zeroshard.core.zero3.units as units
 
         assert is_current_accelerator_supported() is True
         assert torch_info["version"] == ".".join(torch.__version__.split("+")[0].split(".")[:2])
@@ -360,7 +360,7 @@ def test_layer_presents_the_names() -> None:
         from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig
         from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict
         from deepspeed.runtime.zero.partition_parameters import MultipleAllGatherHandles
-        import zeroshard.compat.ds_zero_config as zc
+        import zeroshard.deepspeed.zero_config as zc
         assert DeepSpeedZeroConfig is zc.DeepSpeedZeroConfig  # DeepSpeed's config objects, from zeroshard's config
         assert DeepSpeedZeroOffloadOptimizerConfig is zc.DeepSpeedZeroOffloadOptimizerConfig
         assert DeepSpeedZeroConfig().leaf_module.classes == DEFAULT_LEAF_MODULE_CLASSES

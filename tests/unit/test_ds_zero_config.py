@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from zeroshard.compat.ds_zero_config import (
+from zeroshard.config import load_config
+from zeroshard.deepspeed.zero_config import (
     DeepSpeedZeroConfig,
     DeepSpeedZeroOffloadOptimizerConfig,
     DeepSpeedZeroOffloadParamConfig,
 )
-from zeroshard.config import load_config
 from zeroshard.errors import ConfigError
 
 
@@ -71,7 +71,7 @@ def test_ensure_zero_ordered_dict_as_deepspeeds_helper() -> None:
     GatheringParams, gathering nothing outside an engine), the first container is kept once."""
     import torch
 
-    from zeroshard.compat.ds_param_offload import ZeROOrderedDict, ensure_zero_ordered_dict
+    from zeroshard.deepspeed.param_offload import ZeROOrderedDict, ensure_zero_ordered_dict
 
     m = torch.nn.Linear(4, 4, bias=False)
     plain = dict(m._parameters)

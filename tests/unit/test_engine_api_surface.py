@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import zeroshard
-from zeroshard.engine import ZeroEngine
-from zeroshard.engine_api import API_DATA, NOT_YET_SUPPORTED
+from zeroshard.deepspeed.engine import ZeroEngine
+from zeroshard.deepspeed.engine_api import API_DATA, NOT_YET_SUPPORTED
 from zeroshard.errors import ConfigError, NotYetSupportedError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,7 +70,7 @@ def test_fresh_import_has_deepspeed_submodules() -> None:
 
 
 def test_comm_outside_a_process_group() -> None:
-    from zeroshard import comm
+    from zeroshard.deepspeed import comm
 
     assert (comm.get_rank(), comm.get_world_size(), comm.is_available()) == (0, 1, True)
     comm.barrier()  # a world of one: nothing to wait for
@@ -78,7 +78,7 @@ def test_comm_outside_a_process_group() -> None:
 
 
 def test_accelerator_on_this_machine() -> None:
-    from zeroshard.accelerator import get_accelerator
+    from zeroshard.deepspeed.accelerator import get_accelerator
 
     acc = get_accelerator()
     cuda = torch.cuda.is_available()
@@ -97,7 +97,7 @@ def test_accelerator_on_this_machine() -> None:
 
 
 def test_log_dist(caplog: pytest.LogCaptureFixture) -> None:
-    from zeroshard.utils import log_dist
+    from zeroshard.deepspeed.utils import log_dist
 
     with caplog.at_level(logging.INFO, logger="zeroshard"):
         log_dist("hello", ranks=[0])

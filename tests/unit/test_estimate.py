@@ -188,8 +188,8 @@ def test_meta_models_count_shared_parameters_once() -> None:
 
 
 def test_deepspeed_import_paths() -> None:
-    from zeroshard.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_cold, model_to_params
-    from zeroshard.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs_all_live
+    from zeroshard.deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_cold, model_to_params
+    from zeroshard.deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs_all_live
 
     assert estimate_zero2_model_states_mem_needs_all_live is formulas.estimate_zero2_model_states_mem_needs_all_live
     assert estimate_zero3_model_states_mem_needs_all_cold is formulas.estimate_zero3_model_states_mem_needs_all_cold
@@ -203,7 +203,7 @@ def test_deepspeed_import_paths() -> None:
 def test_estimator_import_does_not_import_torch() -> None:
     code = ("import sys, zeroshard\n"
             "zeroshard.estimate_zero2_model_states_mem_needs_all_cold(7e9, 8)\n"
-            "from zeroshard.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_cold\n"
+            "from zeroshard.deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_cold\n"
             "assert 'torch' not in sys.modules\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(ROOT / "src")})

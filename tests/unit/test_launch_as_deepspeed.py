@@ -1,5 +1,5 @@
 """``zeroshard launch --as-deepspeed`` / ``--shadow-deepspeed``: the workers run the script through
-``python -m zeroshard.compat.deepspeed``, which enables the layer before the script imports anything."""
+``python -m zeroshard.deepspeed.imports``, which enables the layer before the script imports anything."""
 
 from __future__ import annotations
 
@@ -25,13 +25,13 @@ def script(tmp_path: Path) -> str:
 
 def test_argv_runs_the_script_through_the_bootstrap(script: str) -> None:
     argv = build_torchrun_argv(["--nproc_per_node", "2", "--as-deepspeed", script, "--steps", "3"])
-    assert argv == ["--nproc_per_node", "2", "--standalone", "--module", "--", "zeroshard.compat.deepspeed",
+    assert argv == ["--nproc_per_node", "2", "--standalone", "--module", "--", "zeroshard.deepspeed.imports",
                     script, "--steps", "3"]
     argv = build_torchrun_argv(["--shadow-deepspeed", script])
-    assert argv[argv.index("--") + 1:] == ["zeroshard.compat.deepspeed", "--shadow", script]
+    assert argv[argv.index("--") + 1:] == ["zeroshard.deepspeed.imports", "--shadow", script]
     # a module stays a module: the bootstrap runs it with -m
     argv = build_torchrun_argv(["--as_deepspeed", "-m", "pkg.train", "x"])
-    assert argv[argv.index("--") - 1:] == ["--module", "--", "zeroshard.compat.deepspeed", "-m", "pkg.train", "x"]
+    assert argv[argv.index("--") - 1:] == ["--module", "--", "zeroshard.deepspeed.imports", "-m", "pkg.train", "x"]
     assert argv.count("--module") == 1
     # without the switch nothing changes
     assert build_torchrun_argv([script, "a"])[-3:] == ["--", script, "a"]

@@ -11,8 +11,8 @@ from torch import nn
 
 import zeroshard
 from zeroshard.config import load_config
+from zeroshard.deepspeed.utils import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
 from zeroshard.errors import ConfigError
-from zeroshard.utils import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
 
 
 class Block(nn.Module):
@@ -63,7 +63,7 @@ def test_hugging_face_mixtral_blocks_are_leaves_by_default_at_zero3(process_grou
 
 def test_deepspeeds_module_path_of_the_helpers_resolves_to_zeroshards() -> None:
     """``from deepspeed.utils.z3_leaf_module import set_z3_leaf_modules`` under the compatibility layer."""
-    code = ("import zeroshard.compat.deepspeed as c; c.enable(shadow=True)\n"
+    code = ("import zeroshard.deepspeed.imports as c; c.enable(shadow=True)\n"
             "from deepspeed.utils.z3_leaf_module import set_z3_leaf_modules, z3_leaf_module\n"
             "import torch, zeroshard.core.zero3.units as u\n"
             "m = torch.nn.Sequential(torch.nn.Linear(2, 2))\n"

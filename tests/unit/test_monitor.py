@@ -10,6 +10,7 @@ import logging
 import sys
 import types
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -208,7 +209,7 @@ def test_default_handler_filter(monkeypatch: pytest.MonkeyPatch, capsys: pytest.
 class _State:
     def __init__(self) -> None:
         self.global_steps = self.global_samples = self.skipped_steps = 0
-        self.cur_scale = 1024.0
+        self.scaler = SimpleNamespace(scale=1024.0)
         self.lr = 1e-3
 
     def get_lr(self) -> list[float]:

@@ -28,8 +28,8 @@ from zeroshard.checkpoint.to_deepspeed import (
     write_deepspeed_checkpoint,
 )
 from zeroshard.cli.main import main as cli
+from zeroshard.deepspeed.utils import zero_to_fp32 as z2f
 from zeroshard.errors import CheckpointError
-from zeroshard.utils import zero_to_fp32 as z2f
 
 
 class TiedNet(nn.Module):

@@ -1,5 +1,5 @@
 """Activation checkpointing: keep only each checkpointed region's inputs, recompute the region in
-backward (DeepSpeed's ``deepspeed.checkpointing``, public as :mod:`zeroshard.checkpointing`).
+backward (DeepSpeed's ``deepspeed.checkpointing``, public as :mod:`zeroshard.deepspeed.checkpointing`).
 
 Not to be confused with :mod:`zeroshard.checkpoint`, which saves and loads training state.
 

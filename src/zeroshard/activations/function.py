@@ -109,7 +109,7 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     them are saved like positional ones), except torch's ``use_reentrant`` (accepted; the
     implementation is always non-reentrant, which gives the same gradients) and
     ``preserve_rng_state`` (default ``True``: the recomputation draws the forward's random numbers).
-    Behaviour follows :func:`zeroshard.checkpointing.configure` or the config's
+    Behaviour follows :func:`zeroshard.deepspeed.checkpointing.configure` or the config's
     ``activation_checkpointing`` block.
 
     Args:

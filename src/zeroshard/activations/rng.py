@@ -103,7 +103,7 @@ def model_parallel_cuda_manual_seed(seed: int) -> None:
     """Seed the default generator with ``seed`` (same on data-parallel replicas) and the tracker's
     model-parallel state with ``seed + 2718 + model-parallel rank`` (different on each
     model-parallel rank), as DeepSpeed and Megatron do. The rank comes from the ``mpu`` given to
-    :func:`zeroshard.checkpointing.configure` (0 without one)."""
+    :func:`zeroshard.deepspeed.checkpointing.configure` (0 without one)."""
     _TRACKER.reset()
     _manual_seed(seed)
     _TRACKER.add(MODEL_PARALLEL_RNG, seed + 2718 + settings.current().mp_rank)

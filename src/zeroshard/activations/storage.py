@@ -123,7 +123,7 @@ def _check_same_input(flat: torch.Tensor, s: Settings) -> None:
             "activation_checkpointing.partition_activations: the checkpointed input differs between "
             f"model-parallel ranks {s.mp_rank} and {differ} of the mpu's group. Partitioning needs the same "
             "input on every rank of that group (tensor-parallel activations); data-parallel ranks hold "
-            "different activations. Check the mpu given to zeroshard.checkpointing.configure, or disable it.")
+            "different activations. Check the mpu given to zeroshard.deepspeed.checkpointing.configure, or disable it.")
 
 
 class _SameInputCheck:
@@ -151,7 +151,7 @@ def _pack(t: torch.Tensor, s: Settings) -> Packed:
 def _unpack(p: Packed, s: Settings) -> torch.Tensor:
     if p.version is not None and p.data._version != p.version:
         raise RuntimeError(
-            "an input of a checkpointed region (zeroshard.checkpointing.checkpoint) was modified in place "
+            "an input of a checkpointed region (zeroshard.deepspeed.checkpointing.checkpoint) was modified in place "
             f"after the region's forward (version {p.version}, now {p.data._version}); the recomputation "
             "would not see the value the forward saw. Clone it before modifying it.")
     data = p.data.to(p.device, non_blocking=True)

@@ -8,7 +8,7 @@
   any string); a tag called ``latest`` cannot live beside the ``latest`` file that names the
   newest tag, so that case is refused before anything is written (DeepSpeed fails after writing).
 - :func:`write_recovery_script`: the ``zero_to_fp32.py`` DeepSpeed leaves in every checkpoint
-  folder, here a few lines that run :mod:`zeroshard.utils.zero_to_fp32`.
+  folder, here a few lines that run :mod:`zeroshard.deepspeed.utils.zero_to_fp32`.
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ def _script(name: str, usage: str, what: str) -> str:
 
     python {name}.py . OUTPUT_DIR {usage}[-t TAG] [--safe_serialization] [--max_shard_size 5GB]
 
-The work is done by zeroshard.utils.{name}, which reads zeroshard and DeepSpeed checkpoints.
+The work is done by zeroshard.deepspeed.utils.{name}, which reads zeroshard and DeepSpeed checkpoints.
 """
 import sys
 
-from zeroshard.utils.{name} import *  # noqa: F401,F403  (DeepSpeed's functions, for importers)
-from zeroshard.utils.{name} import main
+from zeroshard.deepspeed.utils.{name} import *  # noqa: F401,F403  (DeepSpeed's functions, for importers)
+from zeroshard.deepspeed.utils.{name} import main
 
 if __name__ == "__main__":
     sys.exit(main())

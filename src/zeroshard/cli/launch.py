@@ -220,12 +220,12 @@ def _worker_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 #: The module that enables the DeepSpeed compatibility layer, then runs a script or module (runpy).
-COMPAT_BOOTSTRAP = "zeroshard.compat.deepspeed"
+COMPAT_BOOTSTRAP = "zeroshard.deepspeed.imports"
 
 
 def _as_deepspeed(parser: argparse.ArgumentParser, args: argparse.Namespace, passed: dict, out: list[str],
                   target: list[str]) -> tuple[list[str], list[str]]:
-    """``--as-deepspeed``: every worker runs ``python -m zeroshard.compat.deepspeed [--shadow] [-m] TARGET``,
+    """``--as-deepspeed``: every worker runs ``python -m zeroshard.deepspeed.imports [--shadow] [-m] TARGET``,
     which enables the layer before the script (and transformers or accelerate) is imported."""
     if passed.get("no_python"):
         parser.error("argument --as-deepspeed: not allowed together with --no_python (the layer runs in Python)")

@@ -9,7 +9,7 @@ Options, all before the script path (everything after it belongs to the script):
 * DeepSpeed's multi-node options: ``-H/--hostfile``, ``-i/--include``, ``-e/--exclude``,
   ``--launcher {pdsh,ssh}``, ``--launcher_args``, ``--ssh_port``, ``--force_multi``, ``--no_ssh``,
   ``--no_ssh_check``, ``--venv_script``, ``--no_local_rank``; and ``--dry-run``.
-* ``--as-deepspeed`` (``--shadow-deepspeed``): run the script with ``zeroshard.compat.deepspeed``
+* ``--as-deepspeed`` (``--shadow-deepspeed``): run the script with ``zeroshard.deepspeed.imports``
   enabled (hiding an installed DeepSpeed), so ``import deepspeed`` in it, transformers or accelerate
   is zeroshard.
 * Every other torchrun option (``--rdzv_backend``, ``--rdzv_endpoint``, ``--rdzv_id``,
@@ -175,7 +175,7 @@ def _add_deepspeed(parser: argparse.ArgumentParser) -> None:
     ds.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
                     help="print the commands (per host, or the torchrun command) and exit")
     ds.add_argument("--as-deepspeed", "--as_deepspeed", dest="as_deepspeed", action="store_true",
-                    help="run the script with zeroshard.compat.deepspeed enabled: 'import deepspeed' (in it, "
+                    help="run the script with zeroshard.deepspeed.imports enabled: 'import deepspeed' (in it, "
                     "transformers or accelerate) is zeroshard; refused when the real DeepSpeed is installed")
     ds.add_argument("--shadow-deepspeed", "--shadow_deepspeed", dest="shadow_deepspeed", action="store_true",
                     help="--as-deepspeed, hiding the real DeepSpeed installed in the same environment")

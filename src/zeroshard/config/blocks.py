@@ -79,8 +79,8 @@ class CheckpointConfig(ConfigModel):
 
 
 class ActivationCheckpointingConfig(ConfigModel):
-    """Activation checkpointing options, applied by ``initialize`` to :mod:`zeroshard.checkpointing`
-    (unless the script called ``zeroshard.checkpointing.configure`` itself, which wins)."""
+    """Activation checkpointing options, applied by ``initialize`` to :mod:`zeroshard.deepspeed.checkpointing`
+    (unless the script called ``zeroshard.deepspeed.checkpointing.configure`` itself, which wins)."""
 
     partition_activations: bool = False
     """Keep 1/N of each checkpointed input on each of the N ranks of the model-parallel group (the

@@ -74,7 +74,7 @@ DEFAULT_LEAF_MODULE_CLASSES = (
 
 
 class LeafModuleConfig(ConfigModel):
-    """ZeRO-3 leaf modules, gathered whole with their subtree (``zeroshard.utils.set_z3_leaf_modules``).
+    """ZeRO-3 leaf modules, gathered whole with their subtree (``zeroshard.deepspeed.utils.set_z3_leaf_modules``).
 
     A single string is read as a list of one, as DeepSpeed does."""
 

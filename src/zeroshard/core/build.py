@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from zeroshard.core.clock import StepClock
 from zeroshard.core.comm import collectives as C
-from zeroshard.core.frozen import FrozenShard, frozen_to_partition
 from zeroshard.core.grad_sync import (
     AllReduceSync,
     BoundaryReduceScatterSync,
@@ -39,6 +38,7 @@ from zeroshard.core.plan import GradReduction, StagePlan, make_plan
 from zeroshard.core.precision import LossScaler, PrecisionPolicy
 from zeroshard.core.seam import NO_OBSERVER, ParamObserver, set_owner
 from zeroshard.core.zero3.coordinator import ParamCoordinator
+from zeroshard.core.zero3.frozen import FrozenShard, frozen_to_partition
 from zeroshard.core.zero3.lent_rows import RowLender
 from zeroshard.core.zero3.param_unit import ParamUnit
 from zeroshard.core.zero3.stage3 import Stage3Optimizer, UnitGradCounter, Zero3Parts

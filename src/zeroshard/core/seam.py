@@ -6,7 +6,7 @@ private attributes or string tags. This module owns the tags: it is the only pla
 them on parameters.
 
 Code that must react to parameter transitions without the core knowing it (DeepSpeed's ``ds_*``
-attributes: :mod:`zeroshard.zero.param_attrs`) implements :class:`ParamObserver` and is handed to
+attributes: :mod:`zeroshard.deepspeed.param_attrs`) implements :class:`ParamObserver` and is handed to
 the builder, which passes it to every unit it constructs.
 """
 
@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
-    from zeroshard.core.frozen import FrozenShard
     from zeroshard.core.grad_sync import GradSync
     from zeroshard.core.master import MasterShard
     from zeroshard.core.offload.state_store import StateStore
     from zeroshard.core.precision import LossScaler, PrecisionPolicy
     from zeroshard.core.zero3.coordinator import ParamCoordinator
+    from zeroshard.core.zero3.frozen import FrozenShard
     from zeroshard.core.zero3.param_unit import ParamUnit, UnitState
     from zeroshard.core.zero_optimizer import StageSpec
 

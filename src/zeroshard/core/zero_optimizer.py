@@ -48,8 +48,8 @@ from zeroshard.core.precision import LossScaler, PrecisionPolicy
 from zeroshard.errors import NotYetSupportedError, ZeroshardError
 
 if TYPE_CHECKING:
-    from zeroshard.core.frozen import FrozenShard
     from zeroshard.core.zero3.coordinator import ParamCoordinator
+    from zeroshard.core.zero3.frozen import FrozenShard
 
 logger = logging.getLogger("zeroshard")
 

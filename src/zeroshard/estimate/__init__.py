@@ -1,7 +1,7 @@
 """Memory estimates and configuration planning.
 
 - :mod:`~zeroshard.estimate.formulas`: DeepSpeed's ``estimate_zero2_*`` / ``estimate_zero3_*``
-  functions (also under :mod:`zeroshard.runtime.zero.stage_1_and_2` and ``stage3``).
+  functions (also under :mod:`zeroshard.deepspeed.runtime.zero.stage_1_and_2` and ``stage3``).
 - :func:`estimate`: zeroshard's own per-GPU and per-node bytes (host memory, NVMe swap files) for
   stages 0–3 and offload choices, with activations; :func:`plan`: the fastest configuration that
   fits, as a DeepSpeed config; :func:`placement`: one rank's bytes by kind and place for an

@@ -47,7 +47,7 @@ from zeroshard.errors import ConfigError, NotYetSupportedError
 
 logger = logging.getLogger("zeroshard")
 
-#: DeepSpeed's op names: those of zeroshard's collectives (the first five) and of ``zeroshard.comm``'s
+#: DeepSpeed's op names: those of zeroshard's collectives (the first five) and of ``zeroshard.deepspeed.comm``'s
 #: DeepSpeed API; the names ``prof_ops`` accepts
 OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier", "all_gather",
        "all_to_all_single", "reduce", "gather", "scatter", "send", "recv", "isend", "irecv", "monitored_barrier")

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.core.comm import collectives as C
+from zeroshard.core.precision import LossScaler
 from zeroshard.monitor import memory
 from zeroshard.monitor.base import Event
 from zeroshard.monitor.master import MonitorMaster
@@ -57,7 +58,7 @@ class TrainingState(Protocol):
     skipped_steps: int
 
     @property
-    def cur_scale(self) -> float: ...
+    def scaler(self) -> LossScaler: ...
 
     def get_lr(self) -> list[float]: ...
 
@@ -117,7 +118,7 @@ class Reporter:
         x = engine.global_samples
         events: list[Event] = [(TAG + "lr", engine.get_lr()[0], x)]
         if self.fp16:
-            events.append((TAG + "loss_scale", engine.cur_scale, x))
+            events.append((TAG + "loss_scale", float(engine.scaler.scale), x))
         norm = engine.get_global_grad_norm()
         if applied and norm is not None:
             events.append((TAG + "grad_norm", norm, x))
@@ -183,7 +184,7 @@ class Reporter:
         lr = f"{lrs[0]:.3e}" if len(set(lrs)) == 1 else "[" + ", ".join(f"{v:.3e}" for v in lrs) + "]"
         norm = engine.get_global_grad_norm()
         parts = [f"step={engine.global_steps}", f"samples={engine.global_samples}", f"loss={loss:.4f}",
-                 f"lr={lr}", f"loss_scale={engine.cur_scale:g}",
+                 f"lr={lr}", f"loss_scale={float(engine.scaler.scale):g}",
                  f"grad_norm={norm:.4g}" if norm is not None else "grad_norm=n/a",
                  f"skipped={engine.skipped_steps}", f"step_time={step_ms:.1f}ms", f"samples/s={samples_per_s:.1f}"]
         if tokens_per_s is not None:

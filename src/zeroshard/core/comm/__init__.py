@@ -7,5 +7,5 @@
 - :mod:`.agreement`: the per-window check that every rank ran the same forwards and backwards;
 - :mod:`.watchdog`: names the step a collective hung in.
 
-DeepSpeed's ``deepspeed.comm`` API is :mod:`zeroshard.comm`, built on this.
+DeepSpeed's ``deepspeed.comm`` API is :mod:`zeroshard.deepspeed.comm`, built on this.
 """

@@ -124,7 +124,7 @@ def check(values: list[int], group: dist.ProcessGroup | None, where: str,
 LEAF_HINT = (
     "Submodules chosen by the data (a mixture-of-experts block that runs only the experts its router "
     "picked) differ between ranks: mark the block a leaf, gathered whole on every rank, with "
-    "`zeroshard.utils.set_z3_leaf_modules(model, [BlockClass])` before initialize or the config's "
+    "`zeroshard.deepspeed.utils.set_z3_leaf_modules(model, [BlockClass])` before initialize or the config's "
     "`zero_optimization.leaf_module` (`{\"classes\": [\"BlockClass\"]}`)."
 )
 

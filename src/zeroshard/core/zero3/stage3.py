@@ -14,7 +14,7 @@ as soon as it is complete.
 
 Parameters that are not trained (``requires_grad=False``, outside the optimizer: a LoRA base
 model) are partitioned too, in units of their own with a compute-dtype shard and no master
-(:mod:`~zeroshard.core.frozen`), gathered and released by the same coordinator.
+(:mod:`~zeroshard.core.zero3.frozen`), gathered and released by the same coordinator.
 
 Memory residency per rank (Ψ parameters, N ranks, 16-bit compute, Adam, gradients accumulated in
 the compute dtype): parameter shard 2Ψ/N + gradient shard 2Ψ/N + master 4Ψ/N + Adam 8Ψ/N = 16Ψ/N,
@@ -35,13 +35,13 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.core import host_memory
-from zeroshard.core.frozen import FrozenShard
 from zeroshard.core.offload import OffloadPolicy
 from zeroshard.core.offload.param_store import ParamShard
 from zeroshard.core.offload.policy import Residency
 from zeroshard.core.precision import LossScaler, PrecisionPolicy
 from zeroshard.core.seam import the_unit
 from zeroshard.core.zero3.coordinator import ParamCoordinator
+from zeroshard.core.zero3.frozen import FrozenShard
 from zeroshard.core.zero3.lent_rows import RowLender
 from zeroshard.core.zero3.param_unit import ParamUnit
 from zeroshard.core.zero3.parameter_offload import ParameterOffload

@@ -1,0 +1,78 @@
+"""Process groups and collectives.
+
+``zeroshard.deepspeed.comm`` is DeepSpeed's ``deepspeed.comm``: ``get_rank()``, ``get_world_size()``,
+``barrier()``, ``all_reduce(tensor, op=..., group=...)``... (:mod:`.deepspeed_api`). zeroshard's
+own code uses :mod:`.collectives` (groups passed explicitly, async handles); :mod:`.subset` holds the
+fail-fast guards for code that some ranks skip.
+"""
+
+from zeroshard.core.comm.collectives import check_same_across_ranks, rank, world_size
+from zeroshard.core.comm.subset import on_ranks, set_arrival_timeout
+from zeroshard.deepspeed.comm.deepspeed_api import (
+    ProcessGroup,
+    ReduceOp,
+    all_gather,
+    all_gather_into_tensor,
+    all_reduce,
+    all_to_all_single,
+    barrier,
+    broadcast,
+    destroy_process_group,
+    gather,
+    get_all_ranks_from_group,
+    get_global_rank,
+    get_local_rank,
+    get_rank,
+    get_world_rank_from_launcher,
+    get_world_size,
+    get_world_size_from_launcher,
+    init_distributed,
+    irecv,
+    is_available,
+    is_initialized,
+    isend,
+    monitored_barrier,
+    new_group,
+    recv,
+    reduce,
+    reduce_scatter_tensor,
+    scatter,
+    send,
+)
+
+__all__ = [
+    "ProcessGroup",
+    "ReduceOp",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "check_same_across_ranks",
+    "destroy_process_group",
+    "gather",
+    "get_all_ranks_from_group",
+    "get_global_rank",
+    "get_local_rank",
+    "get_rank",
+    "get_world_rank_from_launcher",
+    "get_world_size",
+    "get_world_size_from_launcher",
+    "init_distributed",
+    "irecv",
+    "is_available",
+    "is_initialized",
+    "isend",
+    "monitored_barrier",
+    "new_group",
+    "on_ranks",
+    "rank",
+    "recv",
+    "reduce",
+    "reduce_scatter_tensor",
+    "scatter",
+    "send",
+    "set_arrival_timeout",
+    "world_size",
+]
