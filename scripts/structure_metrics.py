@@ -73,10 +73,20 @@ def any_in_signatures(tree: ast.AST) -> int:
     return count
 
 
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node except those under ``if TYPE_CHECKING:`` (imports for annotations only, which
+    run nothing: import-linter's ``exclude_type_checking_imports`` skips them too)."""
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return [n for n in ast.walk(tree) if id(n) not in skip]
+
+
 def imports(pkg: Path, f: Path, tree: ast.AST) -> set[str]:
     me = _module_name(pkg, f)
     out: set[str] = set()
-    for node in ast.walk(tree):
+    for node in _runtime_nodes(tree):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name.startswith("zeroshard"))
         elif isinstance(node, ast.ImportFrom):
@@ -141,10 +151,18 @@ def main(root: Path) -> None:
             if target in modules and target != me and not me.startswith(target + "."):
                 graph[me].add(target)
 
+    packages = {_module_name(pkg, f) for f in files if f.name == "__init__.py"}
+
     def package_of(m: str) -> str:
+        """The sub-package (folder) a module belongs to, at most two levels below ``zeroshard``
+        (``zeroshard.core.zero3``); a module file directly in ``zeroshard`` or ``zeroshard.core``
+        is a node of its own."""
         parts = m.split(".")
-        depth = 3 if len(parts) > 2 and parts[1] == "core" else 2
-        return ".".join(parts[:depth]) if len(parts) > depth else m.rsplit(".", 1)[0] if len(parts) > 2 else m
+        for depth in (3, 2):
+            head = ".".join(parts[:depth])
+            if len(parts) >= depth and head in packages and head not in ("zeroshard", "zeroshard.core"):
+                return head
+        return m
 
     pgraph: dict[str, set[str]] = defaultdict(set)
     for a, bs in graph.items():

@@ -19,7 +19,8 @@ from torch import nn
 
 import zeroshard
 from zeroshard.checkpoint.metadata import CheckpointMeta
-from zeroshard.checkpoint.source import MASTER, open_source
+from zeroshard.checkpoint.open import open_source
+from zeroshard.checkpoint.source import MASTER
 from zeroshard.checkpoint.to_deepspeed import (
     DeepSpeedTarget,
     clipping,

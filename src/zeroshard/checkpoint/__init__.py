@@ -27,7 +27,7 @@ _EXPORTS = {
     "get_fp32_state_dict_from_zero_checkpoint": "zeroshard.checkpoint.consolidate",
     "load_state_dict_from_zero_checkpoint": "zeroshard.checkpoint.consolidate",
     "convert_checkpoint": "zeroshard.checkpoint.consolidate",
-    "open_source": "zeroshard.checkpoint.source",
+    "open_source": "zeroshard.checkpoint.open",
 }
 
 __all__ = sorted(_EXPORTS)

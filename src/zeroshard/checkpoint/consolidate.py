@@ -23,9 +23,10 @@ from typing import Any
 import torch
 
 from zeroshard.checkpoint.atomic import new_nonce
+from zeroshard.checkpoint.open import open_source
 from zeroshard.checkpoint.paths import resolve_checkpoint
 from zeroshard.checkpoint.safetensors_io import TensorSpec, write_safetensors
-from zeroshard.checkpoint.source import CheckpointSource, open_source
+from zeroshard.checkpoint.source import CheckpointSource
 from zeroshard.core.partition import consecutive_runs
 from zeroshard.errors import CheckpointError
 

@@ -21,9 +21,10 @@ import torch
 
 from zeroshard.checkpoint import collect
 from zeroshard.checkpoint.agree import together
+from zeroshard.checkpoint.open import open_source
 from zeroshard.checkpoint.paths import resolve_checkpoint
 from zeroshard.checkpoint.rng import restore_rng
-from zeroshard.checkpoint.source import MASTER, CheckpointSource, open_source
+from zeroshard.checkpoint.source import MASTER, CheckpointSource
 from zeroshard.core.comm import collectives as C
 from zeroshard.errors import CheckpointError
 

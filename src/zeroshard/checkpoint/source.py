@@ -22,7 +22,7 @@ import torch
 from zeroshard.checkpoint.collect import NUMBER
 from zeroshard.checkpoint.jsonable import decode
 from zeroshard.checkpoint.metadata import EXTRA_FILE, CheckpointMeta, frozen_key, master_key, optim_key, rank_file
-from zeroshard.checkpoint.paths import META_FILE, detect_format
+from zeroshard.checkpoint.paths import META_FILE
 from zeroshard.checkpoint.safetensors_io import SafetensorsReader
 from zeroshard.errors import CheckpointError
 
@@ -257,12 +257,3 @@ class ZeroshardSource(CheckpointSource):
         for r in self._readers.values():
             r.close()
         self._readers.clear()
-
-
-def open_source(path: Path) -> CheckpointSource:
-    """Open a complete tag directory in whichever format it is."""
-    if detect_format(path) == "zeroshard":
-        return ZeroshardSource(path)
-    from zeroshard.checkpoint.deepspeed import DeepSpeedSource
-
-    return DeepSpeedSource(path)

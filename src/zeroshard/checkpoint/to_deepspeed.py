@@ -43,8 +43,9 @@ import torch
 from zeroshard.checkpoint import ds_pickle
 from zeroshard.checkpoint.atomic import new_nonce
 from zeroshard.checkpoint.collect import SHARDED
+from zeroshard.checkpoint.open import open_source
 from zeroshard.checkpoint.paths import LATEST_FILE, plain_name, resolve_checkpoint
-from zeroshard.checkpoint.source import MASTER, CheckpointSource, open_source
+from zeroshard.checkpoint.source import MASTER, CheckpointSource
 from zeroshard.errors import CheckpointError
 
 logger = logging.getLogger("zeroshard")

@@ -64,8 +64,8 @@ def _to_deepspeed(args: argparse.Namespace, parser: argparse.ArgumentParser, pro
         parser.error("--to deepspeed needs --world-size N (N >= 1): the number of ranks of the DeepSpeed job")
     import torch
 
+    from zeroshard.checkpoint.open import open_source
     from zeroshard.checkpoint.paths import resolve_checkpoint
-    from zeroshard.checkpoint.source import open_source
     from zeroshard.checkpoint.to_deepspeed import DeepSpeedTarget, load_ds_config, target_from_config
     from zeroshard.checkpoint.to_deepspeed import write_deepspeed_checkpoint as write
     from zeroshard.errors import CheckpointError

@@ -4,15 +4,19 @@ Layers point one way (each imports only those below it); nothing here imports th
 checkpoint formats, the config schema or DeepSpeed's names (``pyproject.toml``'s import-linter
 contracts check this in CI)::
 
+    build              the plan turned into parts, each constructed with its collaborators
     zero3/             stage 3: units of parameters gathered just in time, prefetched, released
-      stage3 ─ coordinator ─ param_unit ─ units
-    zero_optimizer     stages 0-2: the stage a config asks for, composed from
-      master ─ grad_sync ─ frozen          fp32 master shard, gradient reduction, frozen chunks
+      stage3 ─ coordinator ─ param_unit ─ units, frozen (the shard of untrained parameters)
+    zero_optimizer     stages 0-2: the stage over its parts (master, store, sync) and a torch optimizer
+    grad_sync, plan    gradient reduction per stage; which copies exist and where (pure)
     offload/           where state lives (policy: device, host, pinned host, file) and its stores
-    precision/         param/reduce/master dtypes, loss scaling
-    comm/              collectives over explicit process groups, agreement checks, watchdog
-    partition/         pure shard geometry: padded layouts, buckets, flat buffers
-    device, host_memory, weak_hooks     small helpers with no ZeRO knowledge
+    master             the fp32 master shard and the stage 1-2 parameter all-gather
+    precision/, comm/  dtypes and loss scaling; collectives over explicit groups, agreement, watchdog
+    partition/, seam, clock, host_memory, weak_hooks, device
+                       shard geometry; the Stage protocol and owner_of/unit_of; small helpers
+
+Code above the core uses :mod:`.seam` (the ``Stage`` protocol, ``owner_of``/``unit_of``) and
+:func:`.build.build_stage`; DeepSpeed's ``ds_*`` parameter attributes are an observer handed in.
 
 A gradient at stage 2 goes: autograd hook (grad_sync) → bucket (partition) → reduce-scatter
 (comm) → the master shard's gradient (master) → the optimizer step on the shard (zero_optimizer)

@@ -104,7 +104,7 @@ def build_stage(module: torch.nn.Module, param_groups: list[dict[str, Any]], spe
             sync = _SYNC[plan.reduction](buckets, *sync_args, acc_device=master_device, scaling=scaling)
             undo.callback(sync.remove_hooks)
             stage = ZeroOptimizer(param_groups, spec, policy, scaler, group, device, offload,
-                                  StageParts(buckets, master, store, sync))
+                                  StageParts(buckets, master, store, sync, plan))
         else:
             shard, frozen, lender = _zero3_storage(module, spec, policy, group, device, offload, buckets, master,
                                                    undo, clock=clock, observer=observer)
@@ -123,7 +123,7 @@ def build_stage(module: torch.nn.Module, param_groups: list[dict[str, Any]], spe
                                               ordered=False, on_param_done=zero3.grads.param_done)
             undo.callback(sync.remove_hooks)
             stage = Stage3Optimizer(module, param_groups, spec, policy, scaler, group, device, offload,
-                                    StageParts(buckets, master, store, sync), zero3)
+                                    StageParts(buckets, master, store, sync, plan), zero3)
             _warn_frozen_whole(module, zero3.grads.trained() | set(zero3.frozen.ranges if zero3.frozen else ()),
                                rank)
             for p in zero3.frozen.ranges if zero3.frozen is not None else ():

@@ -111,6 +111,10 @@ class GradSync:
             self._handles.append(p.register_post_accumulate_grad_hook(weak_method_hook(self._on_grad)))
         remove_when_collected(self, self._handles)
 
+    def received_gradients(self) -> bool:
+        """Whether any parameter received a gradient in this accumulation window."""
+        return bool(self._seen)
+
     # -- hooks -------------------------------------------------------------------------------
     def start_backward(self, boundary: bool) -> None:
         """Called before ``loss.backward()``: whether this micro-step ends the accumulation window."""

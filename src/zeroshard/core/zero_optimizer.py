@@ -44,6 +44,7 @@ from zeroshard.core.offload import OffloadPolicy
 from zeroshard.core.offload.policy import Residency
 from zeroshard.core.offload.state_store import StateStore, SubGroup
 from zeroshard.core.partition import Bucket
+from zeroshard.core.plan import StagePlan
 from zeroshard.core.precision import LossScaler, PrecisionPolicy
 from zeroshard.errors import NotYetSupportedError, ZeroshardError
 
@@ -85,6 +86,8 @@ class StageParts:
     store: StateStore
     #: the gradient reduction of the stage
     sync: GradSync
+    #: which copies exist and where (:mod:`zeroshard.core.plan`)
+    plan: StagePlan
 
 
 def in_memory_bytes(places: dict[str, int]) -> int:
@@ -122,7 +125,8 @@ class ZeroOptimizer:
         self.device = device
         self.rank = C.rank(group)
         self.world = C.world_size(group)
-        self.sharded = spec.stage >= 1 and self.world > 1
+        self.plan = parts.plan
+        self.sharded = parts.plan.sharded
         self.buckets = parts.buckets
         self.master = parts.master
         #: where master weights and optimizer state live, and the one way to read or write them
@@ -369,7 +373,7 @@ class ZeroOptimizer:
     def note_parameter_data(self) -> None:
         """Stages 0–2: remember the tensor each trained parameter's ``.data`` is now (after the module's
         cast to the compute dtype). The masters alias it (fp32) or each update is published into it."""
-        if self.spec.stage < 3:
+        if not self.plan.shards_parameters:
             self._bound = {p: p.data for p in self.master.views}
 
     def _rebind(self, p: torch.nn.Parameter, keep_values: bool) -> None:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from zeroshard.core.offload.policy import OffloadPolicy, Residency, state_device
 from zeroshard.core.offload.state_store import StateStore
+
+if TYPE_CHECKING:
+    from zeroshard.core.master import MasterShard
 
 __all__ = ["make_state_store", "optimizer_state_device"]
 
@@ -18,7 +21,7 @@ def optimizer_state_device(policy: OffloadPolicy, device: torch.device) -> torch
     return state_device(policy.optimizer, device)
 
 
-def make_state_store(master: Any, policy: OffloadPolicy, device: torch.device, rank: int,
+def make_state_store(master: MasterShard, policy: OffloadPolicy, device: torch.device, rank: int,
                      publish: Callable[[int, int, torch.Tensor], None] | None = None,
                      before_access: Callable[[], None] | None = None) -> StateStore:
     """The store for ``policy.optimizer``: in memory (device or host) or swapped to files

@@ -19,7 +19,7 @@ or unit-by-unit writes to the file).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +36,9 @@ from zeroshard.core.offload.policy import OffloadPolicy, Residency, host_device,
 from zeroshard.core.offload.swap_files import round_up
 from zeroshard.core.partition import Bucket
 from zeroshard.errors import ConfigError
+
+if TYPE_CHECKING:
+    from zeroshard.core.master import MasterShard
 
 __all__ = ["ParamShard", "ParamSwapFile", "PendingRead", "make_param_shard", "place_shard"]
 
@@ -189,7 +192,7 @@ class ParamShard:
             self.swap.close()
 
 
-def make_param_shard(master: Any, buckets: list[Bucket], policy: OffloadPolicy, dtype: torch.dtype,
+def make_param_shard(master: MasterShard, buckets: list[Bucket], policy: OffloadPolicy, dtype: torch.dtype,
                      device: torch.device, rank: int, clock: Callable[[], int] | None = None) -> ParamShard:
     """Place the parameter shard of ``buckets`` (the master layout) by ``policy.params``."""
     res = policy.params
@@ -231,7 +234,7 @@ def place_shard(buckets: list[Bucket], numel: int, policy: OffloadPolicy, dtype:
     return ParamShard(buckets, flat, None, aliased=False)
 
 
-def _initial_row(master: Any, b: Bucket) -> torch.Tensor:
+def _initial_row(master: MasterShard, b: Bucket) -> torch.Tensor:
     """Bucket ``b``'s row of initial fp32 values (padding zero), from the parameters themselves."""
     row = torch.zeros(b.numel, dtype=torch.float32)
     for p, off in zip(b.params, b.offsets):

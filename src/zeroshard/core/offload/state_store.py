@@ -28,12 +28,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from zeroshard.core.offload.policy import Residency, place_of
 from zeroshard.core.partition import Bucket, consecutive_runs
+
+if TYPE_CHECKING:
+    from zeroshard.core.master import MasterShard
 
 __all__ = ["StateStore", "SubGroup", "make_subgroups"]
 
@@ -88,7 +91,7 @@ class StateStore:
             the stage casts them itself).
     """
 
-    def __init__(self, master: Any, residency: Residency, sub_group_size: int,
+    def __init__(self, master: MasterShard, residency: Residency, sub_group_size: int,
                  publish: Callable[[int, int, torch.Tensor], None] | None = None,
                  before_access: Callable[[], None] | None = None) -> None:
         self.master = master

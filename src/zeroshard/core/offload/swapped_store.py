@@ -41,7 +41,7 @@ aligned byte range around the parameter's elements, so nothing larger than one p
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -60,6 +60,9 @@ from zeroshard.core.offload.policy import OffloadPolicy, Residency, should_pin
 from zeroshard.core.offload.state_store import StateStore, SubGroup
 from zeroshard.core.offload.swap_files import round_up
 from zeroshard.errors import ConfigError, OffloadIOError
+
+if TYPE_CHECKING:
+    from zeroshard.core.master import MasterShard
 
 __all__ = ["SwappedStateStore"]
 
@@ -98,7 +101,7 @@ class _Slot:
 class SwappedStateStore(StateStore):
     """Masters (unless aliased) and per-element optimizer state in swap files; see the module doc."""
 
-    def __init__(self, master: Any, policy: OffloadPolicy, device: torch.device, rank: int,
+    def __init__(self, master: MasterShard, policy: OffloadPolicy, device: torch.device, rank: int,
                  publish: Callable[[int, int, torch.Tensor], None] | None = None,
                  before_access: Callable[[], None] | None = None) -> None:
         super().__init__(master, Residency.FILE, policy.sub_group_size, publish, before_access)

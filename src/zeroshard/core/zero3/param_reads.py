@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from zeroshard.core.seam import unit_of
-from zeroshard.core.zero3.param_unit import UnitState
+from zeroshard.core.zero3.param_unit import ParamUnit, UnitState
 
 
 class ReadWatcher(Protocol):
@@ -32,7 +32,7 @@ class ReadWatcher(Protocol):
     #: the units of each module call in progress, innermost last (empty outside forward)
     calls: list[Any]
 
-    def read_outside_module(self, unit: Any) -> None:
+    def read_outside_module(self, unit: ParamUnit) -> None:
         """Gather ``unit`` for the innermost module call in progress."""
 
 

@@ -44,6 +44,7 @@ from zeroshard.core.seam import NO_OBSERVER, ParamObserver, set_unit
 from zeroshard.errors import ZeroshardError
 
 if TYPE_CHECKING:
+    from zeroshard.core.offload.param_store import ParamSwapFile
     from zeroshard.core.zero3.lent_rows import RowLender
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -75,7 +76,7 @@ class ParamUnit:
     """Parameters of one unit, with their shard and the gather/release transitions."""
 
     def __init__(self, bucket: Bucket, shard: torch.Tensor | None, group: dist.ProcessGroup | None,
-                 persistent: bool, name: str, device: torch.device | None = None, swap: Any = None,
+                 persistent: bool, name: str, device: torch.device | None = None, swap: ParamSwapFile | None = None,
                  dtype: torch.dtype | None = None, *, frozen: bool = False, lender: RowLender | None = None,
                  observer: ParamObserver = NO_OBSERVER) -> None:
         self.bucket = bucket
@@ -343,6 +344,8 @@ class ParamUnit:
 
     def _read_row(self) -> torch.Tensor:
         """A private copy of this rank's chunk of the unit, read from the swap file."""
+        if self.swap is None:
+            raise RuntimeError(f"ZeRO-3 unit {self.name!r} has no swap file to read its row from")
         read = self.swap.read(self.bucket.index)
         try:
             return torch.Tensor.clone(read.wait())

@@ -13,15 +13,18 @@ from the module, registering attaches it again.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from zeroshard.core.zero3.coordinator import ParamCoordinator
 
 
 class _CoordinatorHooks:
     """One handle for all of the coordinator's module hooks (``remove()``, as a torch handle)."""
 
-    def __init__(self, coordinator: Any) -> None:
+    def __init__(self, coordinator: ParamCoordinator) -> None:
         self._coordinator = coordinator
 
     def remove(self) -> None:
@@ -31,7 +34,7 @@ class _CoordinatorHooks:
 class ParameterOffload:
     """The hooks surface of DeepSpeed's ``DeepSpeedZeRoOffload`` over a ZeRO-3 coordinator."""
 
-    def __init__(self, coordinator: Any, module: torch.nn.Module) -> None:
+    def __init__(self, coordinator: ParamCoordinator, module: torch.nn.Module) -> None:
         self._coordinator = coordinator
         self.module = module
         #: handles whose ``remove()`` detaches the module hooks (one for all of them)

@@ -73,7 +73,7 @@ class _Fragment:
     def grad(self) -> torch.Tensor | None:
         """This rank's gradient chunk in the sync's buffer (scaled), or None before any is reduced."""
         sync = self.owner.sync
-        reduced = getattr(sync, "reduced", False) or (self.owner.spec.stage >= 2 and bool(sync._seen))
+        reduced = sync.reduced or (sync.reduces_every_micro_step and sync.received_gradients())
         if not reduced:
             return None
         off = self.bucket.offsets[self.i]
