@@ -175,9 +175,17 @@ def main(root: Path) -> None:
     all_assign = sum(len(foreign_assignments(t)) for t in trees.values())
     readme = root / "README.md"
     print(f"packages (folders with __init__.py): {sum(1 for p in pkg.rglob('__init__.py'))}")
-    print(f"python files / lines in src/zeroshard: {len(files)} / {sum(len(f.read_text().splitlines()) for f in files)}")
+    lines = sum(len(f.read_text().splitlines()) for f in files)
+    print(f"python files / lines in src/zeroshard: {len(files)} / {lines}")
     print(f"core files / lines: {len(core)} / {sum(len(f.read_text().splitlines()) for f in core)}")
     print(f"places comparing the ZeRO stage: {len(stage_hits)} in {len({f for f, _ in stage_hits})} files")
+    # where a stage is acted on at run time: not the plan (where the decision is made), the estimator's
+    # per-stage formulas, config validation or the per-stage layouts of checkpoint formats
+    formulas = ("estimate", "config", "checkpoint")
+    acting = [(f, n) for f, n in stage_hits
+              if f.relative_to(pkg).parts[0] not in formulas and f.relative_to(pkg) != Path("core/plan.py")]
+    print(f"  of which at run time (outside the plan, estimate/, config/, checkpoint/): {len(acting)} in "
+          f"{len({f for f, _ in acting})} files")
     print(f"foreign attribute assignments: core {sum(map(len, core_assign.values()))}, all of src {all_assign}")
     for f, lines in core_assign.items():
         if lines:

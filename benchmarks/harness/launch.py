@@ -34,8 +34,10 @@ def _free_port() -> int:
 def _env(job: Job, rank: int, port: int) -> dict[str, str]:
     env = dict(os.environ)
     threads = str(max(1, (os.cpu_count() or 1) // job.world_size)) if job.device == "cpu" else "4"
-    # This checkout's zeroshard, whatever `pip install -e` points at (and the repository root for `benchmarks`).
-    path = [str(REPO / "src"), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    # This checkout's zeroshard, whatever `pip install -e` points at (and the repository root for `benchmarks`);
+    # ZEROSHARD_BENCH_SRC names another checkout's src/ (studies/commit_pair.py times two commits).
+    src = env.get("ZEROSHARD_BENCH_SRC", str(REPO / "src"))
+    path = [src, str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(job.world_size),
                LOCAL_WORLD_SIZE=str(job.world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                OMP_NUM_THREADS=threads, PYTHONPATH=os.pathsep.join(path), PYTHONUNBUFFERED="1",

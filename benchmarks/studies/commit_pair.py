@@ -4,7 +4,7 @@
 
 Each commit is checked out into a temporary git worktree; every round runs one benchmark job per
 stage and commit (``benchmarks/run.py --systems zeroshard``, fresh processes, the harness of this
-checkout) with ``PYTHONPATH`` pointing at that commit's ``src``, alternating which commit goes
+checkout) with ``ZEROSHARD_BENCH_SRC`` pointing the launcher at that commit's ``src``, alternating which commit goes
 first, so that both see the same machine load. Reported per stage: the median over rounds of each
 job's median step time, and the after/before ratio of the medians (with the per-round ratios'
 range). The workload defaults to the redesign issue's: the 25M GPT, 2 ranks, fp32, micro batch
@@ -41,7 +41,7 @@ def _job(tree: Path, stage: int, args: argparse.Namespace, out: Path) -> dict:
            "--sizes", args.size, "--no-paired", "--micro-batch", str(args.micro_batch), "--seq-len",
            str(args.seq_len), "--grad-accum", str(args.grad_accum), "--warmup", str(args.warmup), "--steps",
            str(args.steps), "--out", str(out), "--markdown", str(out / "RESULTS.md")]
-    env = {**os.environ, "PYTHONPATH": str(tree / "src")}
+    env = {**os.environ, "ZEROSHARD_BENCH_SRC": str(tree / "src")}
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True)
     found = next(out.rglob("*.json"))
     result = json.loads(found.read_text())["results"][0]
