@@ -40,6 +40,7 @@ from zeroshard.core.zero3.units import (
 )
 from zeroshard.core.zero_optimizer import StageSpec, ZeroOptimizer
 from zeroshard.deepspeed.engine import ZeroEngine
+from zeroshard.deepspeed.optimizer import DEEPSPEED_STAGES
 from zeroshard.deepspeed.param_attrs import DEEPSPEED_PARAM_ATTRS
 from zeroshard.errors import ConfigError, NotYetSupportedError, ZeroshardError
 from zeroshard.model_checks import check_model
@@ -192,7 +193,7 @@ def initialize(
     trains = optimizer is not None or cfg.optimizer is not None
     zero_opt = build_stage(model, param_groups, spec, policy, scaler, group, device, offload,
                            scaling=_reduce_scaling(cfg, C.world_size(group)), trains=trains, clock=clock,
-                           observer=DEEPSPEED_PARAM_ATTRS)
+                           observer=DEEPSPEED_PARAM_ATTRS, kinds=DEEPSPEED_STAGES)
     try:  # a failure from here on (a bad optimizer or scheduler, auto_resume) must not leave swap files behind
         if spec.stage == 3:
             add_external_parameters_accessor(model)  # DeepSpeed's module.ds_external_parameters()

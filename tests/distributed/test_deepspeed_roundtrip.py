@@ -32,7 +32,7 @@ from harness import run_distributed
 from models import make_data, make_model, micro_batch, relative_distance
 
 import zeroshard
-from zeroshard.checkpoint.source import open_source
+from zeroshard.checkpoint.open import open_source
 from zeroshard.cli.main import main as cli
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,

@@ -67,7 +67,9 @@ def build_stage(module: torch.nn.Module, param_groups: list[dict[str, Any]], spe
                 policy: PrecisionPolicy, scaler: LossScaler, group: dist.ProcessGroup | None,
                 device: torch.device, offload: OffloadPolicy, *, scaling: tuple[float, float] | None = None,
                 trains: bool = True, clock: StepClock | None = None,
-                observer: ParamObserver = NO_OBSERVER) -> ZeroOptimizer:
+                observer: ParamObserver = NO_OBSERVER,
+                kinds: tuple[type[ZeroOptimizer], type[Stage3Optimizer]] = (ZeroOptimizer, Stage3Optimizer),
+                ) -> ZeroOptimizer:
     """The stage ``spec`` asks for, over the trained parameters of ``param_groups``.
 
     Args:
@@ -79,6 +81,8 @@ def build_stage(module: torch.nn.Module, param_groups: list[dict[str, Any]], spe
         trains: whether an optimizer will step (an engine without one releases units after forwards).
         clock: the engine's step counter, named by the core's errors.
         observer: told of parameters partitioned and of unit state changes (stage 3).
+        kinds: the classes built for stages 0-2 and for stage 3 (subclasses add names layers above
+            the core want, as DeepSpeed's optimizer attributes: :mod:`zeroshard.deepspeed.optimizer`).
     """
     world = C.world_size(group)
     plan = plan_for(spec, policy, offload, device, world)
@@ -103,8 +107,8 @@ def build_stage(module: torch.nn.Module, param_groups: list[dict[str, Any]], spe
             undo.callback(store.close)
             sync = _SYNC[plan.reduction](buckets, *sync_args, acc_device=master_device, scaling=scaling)
             undo.callback(sync.remove_hooks)
-            stage = ZeroOptimizer(param_groups, spec, policy, scaler, group, device, offload,
-                                  StageParts(buckets, master, store, sync, plan))
+            stage = kinds[0](param_groups, spec, policy, scaler, group, device, offload,
+                             StageParts(buckets, master, store, sync, plan))
         else:
             shard, frozen, lender = _zero3_storage(module, spec, policy, group, device, offload, buckets, master,
                                                    undo, clock=clock, observer=observer)
@@ -122,8 +126,8 @@ def build_stage(module: torch.nn.Module, param_groups: list[dict[str, Any]], spe
                                               *sync_args, acc_device=master_device, scaling=scaling,
                                               ordered=False, on_param_done=zero3.grads.param_done)
             undo.callback(sync.remove_hooks)
-            stage = Stage3Optimizer(module, param_groups, spec, policy, scaler, group, device, offload,
-                                    StageParts(buckets, master, store, sync, plan), zero3)
+            stage = kinds[1](module, param_groups, spec, policy, scaler, group, device, offload,
+                             StageParts(buckets, master, store, sync, plan), zero3)
             _warn_frozen_whole(module, zero3.grads.trained() | set(zero3.frozen.ranges if zero3.frozen else ()),
                                rank)
             for p in zero3.frozen.ranges if zero3.frozen is not None else ():

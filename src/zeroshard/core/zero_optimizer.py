@@ -46,7 +46,7 @@ from zeroshard.core.offload.state_store import StateStore, SubGroup
 from zeroshard.core.partition import Bucket
 from zeroshard.core.plan import StagePlan
 from zeroshard.core.precision import LossScaler, PrecisionPolicy
-from zeroshard.errors import NotYetSupportedError, ZeroshardError
+from zeroshard.errors import ZeroshardError
 
 if TYPE_CHECKING:
     from zeroshard.core.zero3.coordinator import ParamCoordinator
@@ -93,12 +93,6 @@ class StageParts:
 def in_memory_bytes(places: dict[str, int]) -> int:
     """The bytes of a ``{place: bytes}`` placement held in memory (device or host), not in swap files."""
     return sum(v for k, v in places.items() if k != "file")
-
-
-def _use_checkpoints(method: str, instead: str) -> NotYetSupportedError:
-    return NotYetSupportedError(
-        f"engine.optimizer.{method}() is not supported: the optimizer state is sharded across ranks (and may live "
-        f"in host memory or swap files); {instead}", key=f"optimizer.{method}")
 
 
 class ZeroOptimizer:
@@ -180,63 +174,6 @@ class ZeroOptimizer:
     def state(self) -> Any:
         """The torch optimizer's per-parameter state (of this rank's shard)."""
         return self._inner.state
-
-    def _get_loss_scale(self) -> float:
-        return float(self.scaler.scale)
-
-    def _set_loss_scale(self, value: float) -> None:
-        self.scaler.scale = float(value)
-
-    #: the loss scale in use now (1.0 unless fp16), under both names DeepSpeed's ZeRO optimizers
-    #: give it (scripts log ``engine.optimizer.cur_scale``)
-    cur_scale = property(_get_loss_scale, _set_loss_scale)
-    loss_scale = property(_get_loss_scale, _set_loss_scale)
-    #: DeepSpeed's ZeRO optimizers' loss-scaling attributes: no client scaler, no external scale
-    custom_loss_scaler = False
-    external_loss_scale = None
-
-    @property
-    def loss_scaler(self) -> LossScaler:
-        """The loss scaler (DeepSpeed's attributes: ``cur_scale``, and for dynamic scaling
-        ``cur_hysteresis``, ``cur_iter``, ``last_overflow_iter``, ``scale_window``, ``min_scale``)."""
-        return self.scaler
-
-    @property
-    def dynamic_loss_scale(self) -> bool:
-        """Whether the loss scale adapts to overflows (fp16 with ``loss_scale: 0``)."""
-        return bool(self.scaler.dynamic)
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's part of the optimizer, as DeepSpeed's ZeRO optimizers return theirs (frameworks
-        call it while saving: Lightning's ``Trainer.save_checkpoint`` builds it, then saves through
-        ``engine.save_checkpoint``): ``zero_stage``, ``partition_count`` (ranks sharing the state), ``rank``,
-        ``base_optimizer_state`` (the torch optimizer's state dict over this rank's flat fp32 master
-        views, entries read from swap files when offloaded to NVMe), ``fp32_master_shard`` (those
-        views' values, in the same order) and ``loss_scaler``.
-
-        In memory the tensors are the live ones, not copies (as DeepSpeed's). It is a view of one rank
-        at one world size and stage, so :meth:`load_state_dict` does not take it back;
-        ``engine.save_checkpoint`` is the form that reloads (at any world size and stage).
-        """
-        masters = [m for g in self._inner.param_groups for m in g["params"]]
-        index = {id(m): i for i, m in enumerate(masters)}
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(m)] for m in g["params"]]}
-                  for g in self._inner.param_groups]
-        state = {i: self.store.state(m) for i, m in enumerate(masters) if self.store.has_state(m)}
-        partitions = self.buckets[0].layouts[0].world if self.buckets else 1  # 1 at stage 0: nothing sharded
-        return {"zero_stage": self.spec.stage, "partition_count": partitions, "rank": self.rank,
-                "base_optimizer_state": {"state": state, "param_groups": groups},
-                "fp32_master_shard": [self.store.master_values(m) for m in masters],
-                "loss_scaler": self.scaler.state_dict()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Not supported: :meth:`state_dict` is one rank's view at one world size and stage.
-
-        Raises:
-            NotYetSupportedError: always, naming ``engine.load_checkpoint`` instead.
-        """
-        raise _use_checkpoints("load_state_dict", "load it with engine.load_checkpoint(dir), from a checkpoint "
-                               "saved by engine.save_checkpoint (zeroshard's or DeepSpeed's)")
 
     @property
     def _inner(self) -> torch.optim.Optimizer:
@@ -331,16 +268,11 @@ class ZeroOptimizer:
         master = self.master.slices[int(index)][0]
         return next(p for p, m in self.master.views.items() if m is master)
 
-    def _get_norm_groups(self) -> list[torch.Tensor]:
-        """DeepSpeed's: the norm of the gradients accumulated so far, loss scale divided out, as a list
-        of one (zeroshard clips by one global norm). Collective when sharded."""
+    def current_grad_norm(self) -> float:
+        """The global norm of the gradients accumulated so far in this window, loss scale divided out
+        (collective when sharded)."""
         g32 = [g.float() for g in self._grad_views()]
-        return [torch.tensor(self._global_norm(g32) / float(self.scaler.scale))]
-
-    @property
-    def _global_grad_norm(self) -> float | None:
-        """DeepSpeed's name for :attr:`global_grad_norm`."""
-        return self.global_grad_norm
+        return self._global_norm(g32) / float(self.scaler.scale)
 
     def _global_norm(self, g32: list[torch.Tensor]) -> float:
         if g32 and g32[0].device.type == "cpu" and self.device.type != "cpu":
