@@ -137,7 +137,7 @@ class ZeroOptimizer:
         #: was, the norm itself overflowed)
         self.nonfinite_param: torch.nn.Parameter | None = None
 
-    def _grad_views(self) -> list[torch.Tensor]:
+    def grad_shard(self) -> list[torch.Tensor]:
         """This rank's reduced gradient shard, one flat tensor per bucket of ``self.buckets``."""
         return self.sync.shard_grads()
 
@@ -220,7 +220,7 @@ class ZeroOptimizer:
                            "boundary)")
         self.rebind_parameters(keep_values=True)  # the forward and backward just ran on the replaced values
         dropped = self.sync.take_exposed()  # stage 0's .grad, as the script left it
-        g32 = [g if g.dtype == torch.float32 else g.float() for g in self._grad_views()]
+        g32 = [g if g.dtype == torch.float32 else g.float() for g in self.grad_shard()]
         if self.scaler.scale != 1.0:
             torch._foreach_mul_(g32, 1.0 / self.scaler.scale)
         norm = self._global_norm(g32)
@@ -271,7 +271,7 @@ class ZeroOptimizer:
     def current_grad_norm(self) -> float:
         """The global norm of the gradients accumulated so far in this window, loss scale divided out
         (collective when sharded)."""
-        g32 = [g.float() for g in self._grad_views()]
+        g32 = [g.float() for g in self.grad_shard()]
         return self._global_norm(g32) / float(self.scaler.scale)
 
     def _global_norm(self, g32: list[torch.Tensor]) -> float:

@@ -110,7 +110,7 @@ class Stage3Optimizer(ZeroOptimizer):
         #: DeepSpeed's name for the owner of the module hooks (TRL removes and re-adds them)
         self.parameter_offload = ParameterOffload(self.coordinator, module)
 
-    def _grad_views(self) -> list[torch.Tensor]:
+    def grad_shard(self) -> list[torch.Tensor]:
         self.sync.shard_grads()  # zeroes what no backward reduced in this window
         # The reduction buckets span several units; the shard accumulator is in layout order.
         acc = self.sync.accumulator()  # type: ignore[attr-defined]

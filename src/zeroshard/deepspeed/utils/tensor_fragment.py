@@ -77,7 +77,7 @@ class _Fragment:
         if not reduced:
             return None
         off = self.bucket.offsets[self.i]
-        return self.owner._grad_views()[self.bucket.index][off : off + (self.end - self.start)]
+        return self.owner.grad_shard()[self.bucket.index][off : off + (self.end - self.start)]
 
     def scale(self) -> float:
         return float(self.owner.scaler.scale)
