@@ -273,8 +273,9 @@ class Engine(torch.nn.Module):
         if not boundary:
             w.count_micro_step()
             return
-        w.close()
-        self._new_window()
+        w.close()  # its counters start the next window
+        if self._coordinator is not None:
+            self._coordinator.new_window()
         check_stray_gradients(self.module, self.optimizer.sync)
         if not self.config.zero_optimization.ignore_unused_parameters:
             check_unused_parameters(self.module, self.optimizer.sync)

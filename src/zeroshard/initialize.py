@@ -155,8 +155,8 @@ def initialize(
     cfg = _client_overrides(cfg, optimizer, lr_scheduler, group)
     # Without any optimizer the engine is for evaluation or inference, possibly of a model frozen
     # whole (TRL's reference model, a distillation teacher), as DeepSpeed builds it.
-    param_groups = _param_groups(model, optimizer, model_parameters,
-                                 need_trained=optimizer is not None or cfg.optimizer is not None)
+    trains = optimizer is not None or cfg.optimizer is not None
+    param_groups = _param_groups(model, optimizer, model_parameters, need_trained=trains)
     if cfg.zero_stage == 3:
         _apply_leaf_module_config(model, cfg.zero_optimization.leaf_module)
         mark_fine_grained_leaves(model, cfg.zero_optimization.stage3_module_granularity_threshold)
@@ -190,7 +190,6 @@ def initialize(
     scaler = make_loss_scaler(cfg.fp16)
     offload = OffloadPolicy.from_config(cfg)
     clock = StepClock()
-    trains = optimizer is not None or cfg.optimizer is not None
     zero_opt = build_stage(model, param_groups, spec, policy, scaler, group, device, offload,
                            scaling=_reduce_scaling(cfg, C.world_size(group)), trains=trains, clock=clock,
                            observer=DEEPSPEED_PARAM_ATTRS, kinds=DEEPSPEED_STAGES)

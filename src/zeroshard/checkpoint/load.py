@@ -145,7 +145,7 @@ def _load_training_state(src: CheckpointSource, engine: Any, load_lr_scheduler_s
     # Re-derived, never restored: the saved count is in the old run's micro-steps (it depends on its
     # world size and accumulation steps), and a partly accumulated window is not saved anyway, so
     # the resumed run starts a whole window at the boundary of its own accumulation steps.
-    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
+    engine.window.recount_from_steps()
     engine.skipped_steps = int(c.get("skipped_steps", 0))
     rng = src.rng(C.rank(engine.group))
     if rng is not None:

@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("zeroshard")
 
+
 @dataclass(frozen=True)
 class StageSpec:
     """What the engine's config asks of the stage (from ``zero_optimization`` and the top level)."""
@@ -120,7 +121,6 @@ class ZeroOptimizer:
         self.rank = C.rank(group)
         self.world = C.world_size(group)
         self.plan = parts.plan
-        self.sharded = parts.plan.sharded
         self.buckets = parts.buckets
         self.master = parts.master
         #: where master weights and optimizer state live, and the one way to read or write them
@@ -136,6 +136,11 @@ class ZeroOptimizer:
         #: after a skipped step: the first parameter whose gradient was NaN or Inf (``None``: none
         #: was, the norm itself overflowed)
         self.nonfinite_param: torch.nn.Parameter | None = None
+
+    @property
+    def sharded(self) -> bool:
+        """Whether master weights and optimizer state are split across ranks (the plan's)."""
+        return self.plan.sharded
 
     def grad_shard(self) -> list[torch.Tensor]:
         """This rank's reduced gradient shard, one flat tensor per bucket of ``self.buckets``."""

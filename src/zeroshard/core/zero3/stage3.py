@@ -191,9 +191,9 @@ class Stage3Optimizer(ZeroOptimizer):
     def close(self) -> None:
         """Also remove the parameter swap file, if any."""
         super().close()
-        for part in (getattr(self, "shard", None), getattr(self, "frozen", None)):  # None: not made yet
-            if part is not None:
-                part.close()
+        self.shard.close()
+        if self.frozen is not None:
+            self.frozen.close()
 
     def memory_placement(self) -> dict[str, dict[str, int]]:
         """Adds the parameter shard's places."""

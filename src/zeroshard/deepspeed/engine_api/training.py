@@ -2,8 +2,8 @@
 ``was_step_applied``, optimizer queries, module state dicts, ``deepspeed_io``, ``destroy``.
 
 The engine (:class:`zeroshard.deepspeed.engine.ZeroEngine`) inherits them; ``forward``/``backward``/``step``
-stay in ``engine.py`` and consult :attr:`TrainingAPI.inside_no_sync_ctxt` and
-:meth:`TrainingAPI._check_unused_parameters`.
+stay in ``engine.py``; the state these methods read and change is the engine's accumulation window
+(:class:`zeroshard.window.AccumulationWindow`).
 """
 
 from __future__ import annotations
@@ -43,8 +43,6 @@ class TrainingAPI:
     def inside_no_sync_ctxt(self) -> bool:
         """True inside :meth:`no_sync` (DeepSpeed's attribute name)."""
         return self.window.no_sync
-    #: ``(name, parameter)`` outside the optimizer and frozen when the engine was built
-    _frozen_at_initialize: list[tuple[str, torch.nn.Parameter]]
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Say by hand whether the coming backward and ``step()`` end an accumulation window (DeepSpeed's).
