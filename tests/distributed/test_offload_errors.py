@@ -386,3 +386,43 @@ def test_multiprocessing_child_exit_removes_swap_directories(tmp_path: Path) -> 
     directories go with its ``multiprocessing`` finalizers (they were left behind before)."""
     made = run_distributed(_undestroyed_worker, 2, str(tmp_path))
     assert all(made) and not any(tmp_path.iterdir()), f"left behind: {list(tmp_path.iterdir())}"
+
+
+def sub_group_warning_worker(rank: int, world: int, nvme: str, sub_group: int | None) -> dict[str, Any]:
+    import logging
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("zeroshard").addHandler(handler)
+    cfg = config(2, nvme)
+    del cfg["zero_optimization"]["sub_group_size"], cfg["zero_optimization"]["reduce_bucket_size"]
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme}
+    if sub_group is not None:
+        cfg["zero_optimization"]["sub_group_size"] = sub_group
+    import torch
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(8)))  # 1.05M elements a rank
+    engine, *_ = zeroshard.initialize(model=model, config=cfg)
+    store = engine.optimizer.store
+    out = {"warnings": [m for m in records if "nothing is saved" in m], "subgroups": len(store.subgroups),
+           "buffered": len(store.slots) * max(sg.numel for sg in store.subgroups),
+           "shard": sum(sg.numel for sg in store.subgroups)}
+    engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("sub_group", [None, 1_000_000_000])
+def test_a_sub_group_size_that_saves_nothing_warns_once(tmp_path: Path, sub_group: int | None) -> None:
+    """DeepSpeed's 1e9 written out: one sub-group of the whole shard, buffers as large as the state
+    in memory, and rank 0 says so once with both figures. Left unset: sub-groups are chosen and
+    nothing is said."""
+    r0, r1 = run_distributed(sub_group_warning_worker, 2, str(tmp_path), sub_group)
+    if sub_group is None:
+        assert r0["warnings"] == [] and r0["subgroups"] > 1, r0
+        assert r0["buffered"] <= r0["shard"] // 4, r0  # the quarter the choice promises
+    else:
+        assert r0["subgroups"] == 1 and r0["buffered"] >= r0["shard"], r0
+        assert len(r0["warnings"]) == 1 and "sub_group_size 1000000000" in r0["warnings"][0], r0["warnings"]
+        assert "MiB" in r0["warnings"][0]
+    assert r1["warnings"] == []  # rank 0 speaks for all

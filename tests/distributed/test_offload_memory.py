@@ -64,13 +64,17 @@ _status = rss.status
 _baseline = rss.reset_peak
 
 
-def _config(stage: int, nvme: str | None) -> dict[str, Any]:
+def _config(stage: int, nvme: str | None, defaults: bool = False) -> dict[str, Any]:
     z: dict[str, Any] = {"stage": stage, "reduce_bucket_size": SUB_GROUP, "allgather_bucket_size": SUB_GROUP,
                          "sub_group_size": SUB_GROUP, "stage3_param_persistence_threshold": 0,
                          "stage3_max_live_parameters": 3 * WIDTH * (WIDTH + 1),
                          "stage3_prefetch_bucket_size": WIDTH * (WIDTH + 1)}
+    if defaults:  # as a user writes it: DeepSpeed's bucket sizes, sub_group_size and buffer_count left unset
+        z = {"stage": stage}
     if nvme is not None:
-        z["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme, "buffer_count": BUFFERS}
+        z["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme}
+        if not defaults:
+            z["offload_optimizer"]["buffer_count"] = BUFFERS
         if stage == 3:
             z["offload_param"] = {"device": "nvme", "nvme_path": nvme, "buffer_count": 4,
                                   "buffer_size": 2 * WIDTH * (WIDTH + 1)}
@@ -79,11 +83,11 @@ def _config(stage: int, nvme: str | None) -> dict[str, Any]:
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
 
 
-def _train(stage: int, nvme: str | None, width: int, layers: int) -> tuple[Any, int]:
+def _train(stage: int, nvme: str | None, width: int, layers: int, defaults: bool = False) -> tuple[Any, int]:
     torch.manual_seed(0)
     model = Deep(width, layers)
     psi = sum(p.numel() for p in model.parameters())
-    engine, *_ = zeroshard.initialize(model=model, config=_config(stage, nvme))
+    engine, *_ = zeroshard.initialize(model=model, config=_config(stage, nvme, defaults))
     g = torch.Generator().manual_seed(1)
     for _ in range(STEPS):
         engine.backward(engine(torch.randn(MICRO, width, generator=g)))
@@ -91,11 +95,11 @@ def _train(stage: int, nvme: str | None, width: int, layers: int) -> tuple[Any, 
     return engine, psi
 
 
-def memory_worker(rank: int, world: int, stage: int, nvme: str | None) -> dict[str, Any]:
+def memory_worker(rank: int, world: int, stage: int, nvme: str | None, defaults: bool = False) -> dict[str, Any]:
     os.environ["ZEROSHARD_MALLOC_TRIM"] = "1"  # return freed heap pages, as in test_memory_rss.py
-    _train(stage, nvme, 64, 2)[0].destroy()  # warm-up: the same code paths on a tiny model
+    _train(stage, nvme, 64, 2, defaults)[0].destroy()  # warm-up: the same code paths on a tiny model
     base = _baseline()
-    engine, psi = _train(stage, nvme, WIDTH, LAYERS)
+    engine, psi = _train(stage, nvme, WIDTH, LAYERS, defaults)
     now = _status()
     out: dict[str, Any] = {"peak": now["VmHWM"] - base["VmRSS"], "psi": psi,
                            "placement": engine.optimizer.memory_placement(), "usage": engine.memory_usage()}
@@ -116,9 +120,11 @@ def memory_worker(rank: int, world: int, stage: int, nvme: str | None) -> dict[s
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     """Four fresh processes, one rank each: the peaks are independent."""
     nvme = str(tmp_path_factory.mktemp("nvme"))
-    return {f"s{stage}/{kind}": run_distributed(memory_worker, 1, stage, nvme if kind == "nvme" else None,
-                                                timeout=600)[0]
-            for stage in (2, 3) for kind in ("mem", "nvme")}
+    out = {f"s{stage}/{kind}": run_distributed(memory_worker, 1, stage, nvme if kind == "nvme" else None,
+                                               timeout=600)[0]
+           for stage in (2, 3) for kind in ("mem", "nvme")}
+    out["s2/nvme-defaults"] = run_distributed(memory_worker, 1, 2, nvme, True, timeout=600)[0]
+    return out
 
 
 def _round_up(n: int) -> int:
@@ -164,3 +170,21 @@ def test_placement_is_the_swap_files(runs: dict[str, dict[str, Any]], stage: int
         # memory_usage() counts memory only: the shard's host buffers, not its swap file
         shard = nv["placement"]["parameter_shard"]
         assert nv["usage"]["parameter_shard"] == sum(v for k, v in shard.items() if k != "file"), (nv["usage"], shard)
+
+
+def test_nvme_offload_with_deepspeeds_defaults_lowers_peak_rss(runs: dict[str, dict[str, Any]]) -> None:
+    """Stage 2 with ``offload_optimizer: {device: nvme}`` and nothing else set, as users write it:
+    with DeepSpeed's ``sub_group_size`` (1e9) one sub-group would hold the whole shard in host
+    buffers and the peak would not move; left unset, zeroshard sizes the sub-groups so that the
+    buffers hold at most a quarter of the state, and the same bound as above holds."""
+    mem, nv = runs["s2/mem"], runs["s2/nvme-defaults"]
+    swapped = nv["placement"]["optimizer_states"]["file"]
+    assert swapped >= 8 * nv["psi"]
+    assert len(nv["regions"]) >= 4, nv["regions"]  # sub-groups were chosen, not one of everything
+    in_memory_state = mem["usage"]["optimizer_states"] + mem["usage"].get("master_weights", 0)
+    assert nv["slot_bytes"] <= 0.25 * in_memory_state + 4 * max(nv["regions"]) * 3, (nv["slot_bytes"], in_memory_state)
+    print(f"defaults: peak RSS growth in memory {mem['peak'] / MiB:.0f} MiB, NVMe {nv['peak'] / MiB:.0f} MiB, "
+          f"swap buffers {nv['slot_bytes'] / MiB:.0f} MiB in {len(nv['regions'])} sub-groups")
+    assert nv["peak"] < mem["peak"] - 0.5 * swapped, (
+        f"NVMe peak growth {nv['peak'] / MiB:.0f} MiB with DeepSpeed's defaults is not below the in-memory "
+        f"{mem['peak'] / MiB:.0f} MiB minus half the {swapped / MiB:.0f} MiB swapped out")

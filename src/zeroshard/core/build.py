@@ -90,6 +90,7 @@ def build_stage(module: torch.nn.Module, param_groups: list[dict[str, Any]], spe
     for p in params:
         if not p.is_contiguous():
             p.data = p.data.contiguous()
+    offload = offload.for_shard(-(-sum(p.numel() for p in params) // plan.layout_world))
     buckets = (buckets_from_groups(unit_groups(module, set(params)), world) if plan.shards_parameters
                else _stage_buckets(plan, spec, offload, params))
     rank = C.rank(group)
@@ -147,7 +148,7 @@ def _stage_buckets(plan: StagePlan, spec: StageSpec, offload: OffloadPolicy,
         # A sub-group is a run of whole buckets: buckets no larger than it keep the host memory
         # of the step at sub_group_size (DeepSpeed's reduce_bucket_size of 5e8 made one sub-group
         # of the whole shard, all of it in host memory).
-        size = min(size, offload.sub_group_size * plan.layout_world)
+        size = min(size, offload.sub_group * plan.layout_world)
     return make_buckets(list(reversed(params)), plan.layout_world, size)
 
 

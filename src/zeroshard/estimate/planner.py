@@ -44,8 +44,8 @@ BUCKET_TIERS: tuple[Buckets, ...] = (
     Buckets(50_000_000, 50_000_000, 50_000_000, 20_000_000),
 )
 #: optimizer sub-groups the planner tries with NVMe offload (fewer, larger reads first; smaller
-#: ones need less host memory for the swap buffers)
-SUB_GROUP_TIERS = (1_000_000_000, 100_000_000)
+#: ones need less host memory for the swap buffers; ``None``: left unset, chosen by the engine)
+SUB_GROUP_TIERS: tuple[int | None, ...] = (1_000_000_000, 100_000_000, None)
 
 
 class PlanError(ZeroshardError):
@@ -222,7 +222,7 @@ def _gib(n: float) -> str:
 def _candidates(spec: ModelSpec, hardware: Hardware, training: Training, tier: int) -> Iterator[Row]:
     """The rows of one offload tier, fastest first: lowest stage, optimizer offload before
     parameter offload, largest sub-groups and buckets."""
-    sub_groups: tuple[int | None, ...] = SUB_GROUP_TIERS if tier == 2 else (None,)
+    sub_groups = SUB_GROUP_TIERS if tier == 2 else (None,)
     for stage in range(4):
         for index in range(len(offloads_for_stage(stage))):
             for sub_group in sub_groups:

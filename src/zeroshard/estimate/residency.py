@@ -4,7 +4,8 @@
 for an :class:`Offload` choice, plus the module's own parameters. It reads the same geometry as
 the stages: per-parameter shards padded to a multiple of N, buckets (stages 1–2: runs of
 parameters up to ``reduce_bucket_size``; stage 3: one per unit), optimizer sub-groups (runs of
-whole buckets up to ``sub_group_size``), swap-file regions aligned to 4096 bytes.
+whole buckets up to ``sub_group_size``, chosen from the shard when unset exactly as the engine
+chooses it), swap-file regions aligned to 4096 bytes.
 
 Per rank (Ψ parameters, S = this rank's padded shard ≈ Ψ/N, ``c`` compute-dtype bytes, ``a``
 gradient-accumulation bytes, Adam), with an accelerator:
@@ -40,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from zeroshard.core.offload.policy import Residency
+from zeroshard.core.offload.policy import Residency, resolve_sub_group_size, swap_slots
 from zeroshard.core.offload.swap_files import ALIGNMENT, round_up
 from zeroshard.core.partition import ShardLayout, consecutive_runs
 from zeroshard.core.plan import make_plan
@@ -67,7 +68,8 @@ class Offload:
 
     optimizer: str = "none"
     params: str = "none"
-    sub_group_size: int = 1_000_000_000
+    #: ``None``: unset, chosen from the shard as the engine does (:func:`resolve_sub_group_size`)
+    sub_group_size: int | None = None
     buffer_count: int = 4
     param_buffer_count: int = 5
     pin_memory: bool = True
@@ -106,7 +108,8 @@ class Offload:
             block: dict[str, Any] = {"device": self.optimizer, "pin_memory": self.pin_memory}
             if self.optimizer == "nvme":
                 block.update(nvme_path=nvme_path, buffer_count=self.buffer_count)
-                out["sub_group_size"] = self.sub_group_size
+                if self.sub_group_size is not None:
+                    out["sub_group_size"] = self.sub_group_size
             out["offload_optimizer"] = block
         if self.params != "none":
             block = {"device": self.params, "pin_memory": self.pin_memory}
@@ -120,13 +123,12 @@ class Offload:
 def offloads_for_stage(stage: int, sub_group_size: int | None = None) -> tuple[Offload, ...]:
     """The choices the table shows for ``stage``: none; the optimizer to cpu or nvme (stages 1–3);
     the optimizer and the parameters to cpu or nvme (stage 3)."""
-    sg = Offload().sub_group_size if sub_group_size is None else sub_group_size
     pairs = [("none", "none")]
     if stage >= 1:
         pairs += [("cpu", "none"), ("nvme", "none")]
     if stage == 3:
         pairs += [("cpu", "cpu"), ("nvme", "nvme")]
-    return tuple(Offload(opt, par, sub_group_size=sg) for opt, par in pairs)
+    return tuple(Offload(opt, par, sub_group_size=sub_group_size) for opt, par in pairs)
 
 
 @dataclass(frozen=True)
@@ -221,8 +223,11 @@ def placement(spec: ModelSpec, stage: int, world: int, dtype: str = "bf16", grad
     c, a = DTYPE_BYTES[dtype], DTYPE_BYTES[grad_accum_dtype]
     psi = int(spec.total_params)
     bucket_size = buckets.reduce_bucket_size
+    layout_world = world if stage else 1
+    sub_group = resolve_sub_group_size(off.sub_group_size, -(-psi // layout_world), off.buffer_count,
+                                       off.optimizer == "nvme")
     if off.optimizer == "nvme" and stage < 3:  # the engine keeps buckets within a sub-group there
-        bucket_size = min(bucket_size, off.sub_group_size * world)
+        bucket_size = min(bucket_size, sub_group * world)
     rows = [psi] if stage == 0 else bucket_rows(spec, stage, world, bucket_size)
     shard = sum(rows)
     host_pin = "pinned_host" if accelerator else "host"
@@ -242,7 +247,7 @@ def placement(spec: ModelSpec, stage: int, world: int, dtype: str = "bf16", grad
     # module's own parameters when both share memory; NVMe masters are swapped unless aliased).
     plan = make_plan(stage, world, c == 4, _RESIDENCY[off.optimizer], _RESIDENCY[off.params], accelerator)
     aliased, swapped = plan.masters_alias_params, plan.masters_swapped
-    sizes = subgroup_sizes(rows, off.sub_group_size)
+    sizes = subgroup_sizes(rows, sub_group)
     master_file = _file_bytes(sizes, 4)
     # In host memory the masters are page-locked (updated values reach the device asynchronously);
     # the moments torch creates beside them (``zeros_like``) are not.
@@ -251,7 +256,7 @@ def placement(spec: ModelSpec, stage: int, world: int, dtype: str = "bf16", grad
         add("master_weights", masters, master_file if swapped else 4 * shard)
     if off.optimizer == "nvme":
         add("optimizer_states", "file", _ADAM_KEYS * master_file)
-        slots = max(1, min(off.buffer_count, len(sizes)))
+        slots = swap_slots(off.buffer_count, sizes, off.sub_group_size is None)
         add("optimizer_states", where.pinned_if_asked, slots * max(sizes) * 4 * (_ADAM_KEYS + swapped))
         if plan.compute_copy:  # the compute-dtype copy stages 1-2 all-gather from
             add("parameter_shard", where.device, c * shard)

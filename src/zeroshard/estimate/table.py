@@ -72,7 +72,8 @@ def render_estimate(est: Estimate) -> str:
         "zero.Init; x1.5 as DeepSpeed) and the offloaded state of the node's processes (masters, Adam's "
         "moments, gradient shards, swap buffers).",
         "NVMe per node: swap files under nvme_path (masters and Adam's moments; with params->nvme the parameter "
-        "shards), at DeepSpeed's default sub_group_size and buffer_count.",
+        "shards); host swap buffers at DeepSpeed's default buffer_count, sub_group_size left unset (zeroshard "
+        "then sizes sub-groups so that the buffers hold a quarter of the in-memory optimizer state).",
     ]
     return "\n".join(lines)
 

@@ -30,4 +30,4 @@ def make_state_store(master: MasterShard, policy: OffloadPolicy, device: torch.d
         from zeroshard.core.offload.swapped_store import SwappedStateStore
 
         return SwappedStateStore(master, policy, device, rank, publish, before_access)
-    return StateStore(master, policy.optimizer, policy.sub_group_size, publish, before_access)
+    return StateStore(master, policy.optimizer, policy.sub_group, publish, before_access)

@@ -5,12 +5,17 @@ state (and with them the optimizer step); ``offload_param.device`` places ZeRO-3
 shards. ``none`` is the training device, ``cpu`` host memory (page-locked when ``pin_memory`` and
 an accelerator is present), ``nvme`` swap files under ``nvme_path``, read and written
 ``sub_group_size`` elements at a time.
+
+When the config does not set ``sub_group_size``, an NVMe run chooses it
+(:func:`resolve_sub_group_size`): sub-groups small enough that the swap buffers hold at most a
+quarter of what the rank's optimizer state would hold in memory. DeepSpeed's default (1e9) would
+make one sub-group of the whole shard, so that the buffers hold all of it and NVMe saves nothing.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +23,7 @@ import torch
 
 from zeroshard.errors import ConfigError
 
-__all__ = ["AioSettings", "OffloadPolicy", "Residency"]
+__all__ = ["AioSettings", "OffloadPolicy", "Residency", "resolve_sub_group_size", "swap_slots"]
 
 _Z = "zero_optimization"
 
@@ -61,9 +66,24 @@ class OffloadPolicy:
     param_buffer_count: int = 5
     #: elements of each parameter swap buffer (a unit larger than this is an error at set-up)
     param_buffer_size: int = 100_000_000
-    #: elements per optimizer-step sub-group (the unit of swapping and of step/copy overlap)
-    sub_group_size: int = 1_000_000_000
+    #: elements per optimizer-step sub-group (the unit of swapping and of step/copy overlap);
+    #: ``None`` when the config leaves it unset: chosen from the shard (:func:`resolve_sub_group_size`)
+    sub_group_size: int | None = None
+    #: ``sub_group_size`` was chosen from the shard (unset in the config): so is the number of buffers
+    auto_sub_group: bool = False
     aio: AioSettings = AioSettings()
+
+    @property
+    def sub_group(self) -> int:
+        """Elements per sub-group: ``sub_group_size`` as resolved for the shard by the builder
+        (:meth:`for_shard`), DeepSpeed's default before that."""
+        return DEFAULT_SUB_GROUP_SIZE if self.sub_group_size is None else self.sub_group_size
+
+    def for_shard(self, shard_numel: int) -> OffloadPolicy:
+        """This policy with ``sub_group_size`` resolved for a rank holding ``shard_numel`` elements."""
+        size = resolve_sub_group_size(self.sub_group_size, shard_numel, self.buffer_count,
+                                      self.optimizer is Residency.FILE)
+        return replace(self, sub_group_size=size, auto_sub_group=self.sub_group_size is None)
 
     @property
     def offloads_optimizer(self) -> bool:
@@ -91,7 +111,8 @@ class OffloadPolicy:
         if params is Residency.FILE and op.buffer_count < 1:
             raise ConfigError("buffer_count must be at least 1 for NVMe parameter offload",
                               key=f"{_Z}.offload_param.buffer_count")
-        sub_group = int(z.sub_group_size) if z.sub_group_size > 0 else 1_000_000_000
+        chosen = "sub_group_size" in z.model_fields_set and z.sub_group_size > 0
+        sub_group = int(z.sub_group_size) if chosen else None
         return cls(
             optimizer=optimizer, params=params, optimizer_nvme_path=oo.nvme_path, param_nvme_path=op.nvme_path,
             pin_memory=bool(oo.pin_memory), param_pin_memory=bool(op.pin_memory),
@@ -99,6 +120,39 @@ class OffloadPolicy:
             param_buffer_size=int(op.buffer_size), sub_group_size=sub_group,
             aio=AioSettings(int(cfg.aio.block_size), int(cfg.aio.queue_depth), int(cfg.aio.intra_op_parallelism)),
         )
+
+
+#: DeepSpeed's default ``sub_group_size``, used where no swap files size it
+DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
+#: with ``sub_group_size`` unset, the swap buffers hold at most 1/SHARE of the in-memory state
+AUTO_SWAP_SHARE = 4
+#: smallest sub-group chosen (256 KiB of fp32 per state): smaller ones cost I/O calls, not memory
+MIN_AUTO_SUB_GROUP = 1 << 16
+
+
+def resolve_sub_group_size(requested: int | None, shard_numel: int, buffer_count: int, nvme: bool) -> int:
+    """The sub-group size a rank steps with: ``requested`` when the config sets it; otherwise,
+    with NVMe optimizer offload, the size at which ``buffer_count`` sub-group buffers hold at most
+    ``1/AUTO_SWAP_SHARE`` of the rank's ``shard_numel`` elements of state (and DeepSpeed's default
+    where nothing is swapped: in memory, sub-groups only pace the step)."""
+    if requested is not None:
+        return requested
+    if not nvme:
+        return DEFAULT_SUB_GROUP_SIZE
+    return max(MIN_AUTO_SUB_GROUP, shard_numel // (AUTO_SWAP_SHARE * max(1, buffer_count)))
+
+
+def swap_slots(buffer_count: int, subgroups: list[int], auto: bool) -> int:
+    """Sub-group buffers of an NVMe optimizer store over sub-groups of ``subgroups`` elements:
+    ``buffer_count``, at most one per sub-group. With ``sub_group_size`` chosen (``auto``), also
+    as few as keep the buffers (each as large as the largest sub-group: a parameter larger than a
+    sub-group is one of its own, an embedding) within a quarter of the shard, but never fewer than
+    two, one stepped while the next is read."""
+    slots = max(1, min(buffer_count, len(subgroups)))
+    if auto and subgroups:
+        fit = sum(subgroups) // AUTO_SWAP_SHARE // max(1, max(subgroups))
+        slots = min(slots, max(2, fit))
+    return slots
 
 
 def host_device() -> torch.device:

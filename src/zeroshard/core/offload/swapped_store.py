@@ -9,7 +9,8 @@ optimizer first makes that state. All files share one geometry: sub-group ``k`` 
 :func:`~zeroshard.core.offload.state_store.make_subgroups`) is at an aligned byte offset and holds the
 sub-group's flat range of the master layout, padding included.
 
-Buffers: ``slots`` sub-group buffers (``buffer_count``, at most the number of sub-groups), each
+Buffers: ``slots`` sub-group buffers (``buffer_count``, at most the number of sub-groups, and
+with ``sub_group_size`` unset no more than fit a quarter of the shard: :func:`swap_slots`), each
 one aligned host tensor per file (page-locked with an accelerator), sized for the largest
 sub-group. Host memory for the state is therefore ``slots × sub-group × (1 + keys) × 4`` bytes,
 whatever the model size: ``sub_group_size`` is the knob.
@@ -40,6 +41,7 @@ aligned byte range around the parameter's elements, so nothing larger than one p
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +58,7 @@ from zeroshard.core.offload.aio import (
     release_when_collected,
     swap_dir,
 )
-from zeroshard.core.offload.policy import OffloadPolicy, Residency, should_pin
+from zeroshard.core.offload.policy import OffloadPolicy, Residency, should_pin, swap_slots
 from zeroshard.core.offload.state_store import StateStore, SubGroup
 from zeroshard.core.offload.swap_files import round_up
 from zeroshard.errors import ConfigError, OffloadIOError
@@ -65,6 +67,8 @@ if TYPE_CHECKING:
     from zeroshard.core.master import MasterShard
 
 __all__ = ["SwappedStateStore"]
+
+logger = logging.getLogger("zeroshard")
 
 MASTER = "master"
 _KEY = "zero_optimization.offload_optimizer.nvme_path"
@@ -75,6 +79,19 @@ _EXPECTED_KEYS = 2
 def _per_element(v: Any, numel: int) -> bool:
     """A state entry with one value per element of its master (``step`` is a 0-d scalar)."""
     return isinstance(v, torch.Tensor) and v.dim() >= 1 and v.numel() == numel
+
+
+def _warn_if_no_saving(buffered: int, shard: int, files: int, sub_group_size: int) -> None:
+    """Say so when the swap buffers hold as much host memory as the state would in memory (a
+    ``sub_group_size`` at least the shard: one sub-group of everything)."""
+    if buffered < shard:
+        return
+    mib = files * 4 / 2**20
+    logger.warning(
+        "zeroshard: NVMe optimizer offload with sub_group_size %d holds %.1f MiB of swap buffers in host memory, "
+        "at least the %.1f MiB the optimizer state would hold without offload: nothing is saved. Leave "
+        "zero_optimization.sub_group_size unset (zeroshard then picks sub-groups whose buffers hold a quarter "
+        "of it) or set it below %d", sub_group_size, buffered * mib, shard * mib, shard // 4)
 
 
 class _Slot:
@@ -104,7 +121,7 @@ class SwappedStateStore(StateStore):
     def __init__(self, master: MasterShard, policy: OffloadPolicy, device: torch.device, rank: int,
                  publish: Callable[[int, int, torch.Tensor], None] | None = None,
                  before_access: Callable[[], None] | None = None) -> None:
-        super().__init__(master, Residency.FILE, policy.sub_group_size, publish, before_access)
+        super().__init__(master, Residency.FILE, policy.sub_group, publish, before_access)
         assert policy.optimizer_nvme_path is not None
         self.device = device
         self.swap_masters = bool(master.swapped)
@@ -126,7 +143,11 @@ class SwappedStateStore(StateStore):
         self.keys: list[str] = []
         largest = max((sg.numel for sg in self.subgroups), default=1)
         pin = should_pin(policy.pin_memory, device)
-        self.slots = [_Slot(largest, pin) for _ in range(max(1, min(policy.buffer_count, len(self.subgroups))))]
+        count = swap_slots(policy.buffer_count, [sg.numel for sg in self.subgroups], policy.auto_sub_group)
+        self.slots = [_Slot(largest, pin) for _ in range(count)]
+        if rank == 0 and not policy.auto_sub_group:
+            _warn_if_no_saving(len(self.slots) * largest, sum(sg.numel for sg in self.subgroups),
+                               files, policy.sub_group)
         #: master -> (sub-group, offset in it, elements), built on the first random access
         self._positions: dict[int, tuple[SubGroup, int, int]] = {}
         #: reads of the first sub-groups started during backward (:meth:`prefetch`)
