@@ -181,6 +181,8 @@ def initialize(
         prefetch_bucket_size=int(z.stage3_prefetch_bucket_size),
         param_persistence_threshold=int(z.stage3_param_persistence_threshold),
         skip_non_finite=cfg.fp16.enabled or not cfg.bf16.enabled or bool(cfg.bf16.check_grad_overflow),
+        quantized_weights=bool(z.zero_quantized_weights),
+        quantized_gradients=bool(z.zero_quantized_gradients),
     )
     _note_default_clipping(cfg, group)
     if not spec.skip_non_finite and C.rank(group) == 0:

@@ -116,6 +116,12 @@ def _check_consistency(cfg: ZeroshardConfig) -> None:
             f"parameter offload requires ZeRO stage 3, not stage {zero.stage}",
             key="zero_optimization.offload_param.device",
         )
+    if zero.zero_quantized_weights and zero.stage != 3:
+        raise ConfigError(f"zero_quantized_weights (ZeRO++ qwZ) quantizes ZeRO-3's parameter all-gathers: it needs "
+                          f"stage 3, not stage {zero.stage}", key="zero_optimization.zero_quantized_weights")
+    if zero.zero_quantized_gradients and zero.stage < 2:
+        raise ConfigError(f"zero_quantized_gradients (ZeRO++ qgZ) quantizes the gradient reduce-scatter of "
+                          f"stages 2-3, not stage {zero.stage}", key="zero_optimization.zero_quantized_gradients")
     for name, block in (("offload_optimizer", zero.offload_optimizer), ("offload_param", zero.offload_param)):
         if block.device == "nvme" and block.nvme_path is None:
             raise ConfigError(

@@ -58,6 +58,8 @@ CONSUMERS: dict[str, str] = {
     _Z + "offload_param.buffer_count": "core/offload/policy.py",
     _Z + "offload_param.buffer_size": "core/offload/policy.py",
     _Z + "sub_group_size": "core/offload/policy.py",
+    _Z + "zero_quantized_weights": "initialize.py",
+    _Z + "zero_quantized_gradients": "initialize.py",
     "aio.block_size": "core/offload/policy.py",
     "aio.queue_depth": "core/offload/policy.py",
     "aio.intra_op_parallelism": "core/offload/policy.py",

@@ -171,6 +171,14 @@ class ZeroConfig(ConfigModel):
     leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
     """Stage 3: modules gathered whole with their subtree (mixture-of-experts blocks)."""
 
+    zero_quantized_weights: bool = False
+    """ZeRO++ qwZ (stage 3): parameter all-gathers carry blockwise int8 values and their scales
+    instead of the compute dtype; the fp32 masters and the step stay exact."""
+
+    zero_quantized_gradients: bool = False
+    """ZeRO++ qgZ (stages 2-3): gradients are reduced by quantized all-to-alls, inside each node
+    first and then across nodes, and summed in fp32."""
+
     ignore_unused_parameters: bool = True
     """Tolerate parameters that receive no gradient in a step instead of raising an error."""
 

@@ -22,6 +22,8 @@ import torch.distributed as dist
 
 from zeroshard.core.clock import StepClock
 from zeroshard.core.comm import collectives as C
+from zeroshard.core.comm.quantized import QuantizedReduction, deepspeed_qwz_block_size
+from zeroshard.core.comm.topology import make_topology
 from zeroshard.core.grad_sync import (
     AllReduceSync,
     BoundaryReduceScatterSync,
@@ -60,7 +62,7 @@ def plan_for(spec: StageSpec, policy: PrecisionPolicy, offload: OffloadPolicy, d
              world: int) -> StagePlan:
     """The plan of the stage ``spec`` asks for, on ``device`` with ``world`` ranks."""
     return make_plan(spec.stage, world, policy.param_dtype == torch.float32, offload.optimizer, offload.params,
-                     accelerator=device.type != "cpu")
+                     accelerator=device.type != "cpu", quantized_weights=spec.quantized_weights)
 
 
 def build_stage(module: torch.nn.Module, param_groups: list[dict[str, Any]], spec: StageSpec,
@@ -101,12 +103,15 @@ def build_stage(module: torch.nn.Module, param_groups: list[dict[str, Any]], spe
                          droppable=plan.lends_rows, comm_device=device,
                          pack_dtype=policy.param_dtype if plan.compute_copy else None)
     sync_args = (group, policy, device, spec.overlap_comm)
+    quantized = _quantized_reduction(group, device) if spec.quantized_gradients else None
     with ExitStack() as undo:  # closes what was built if a later part fails
         if not plan.shards_parameters:
             publish = functools.partial(_copy_range, master.pack_source) if plan.compute_copy else None
             store = make_state_store(master, offload, device, rank, publish=publish)
             undo.callback(store.close)
-            sync = _SYNC[plan.reduction](buckets, *sync_args, acc_device=master_device, scaling=scaling)
+            sync = (MicroStepReduceScatterSync(buckets, *sync_args, acc_device=master_device, scaling=scaling,
+                                               quantized=quantized) if quantized is not None else
+                    _SYNC[plan.reduction](buckets, *sync_args, acc_device=master_device, scaling=scaling))
             undo.callback(sync.remove_hooks)
             stage = kinds[0](param_groups, spec, policy, scaler, group, device, offload,
                              StageParts(buckets, master, store, sync, plan))
@@ -125,7 +130,7 @@ def build_stage(module: torch.nn.Module, param_groups: list[dict[str, Any]], spe
             # every rank to run modules in the same order.
             sync = MicroStepReduceScatterSync(merge_buckets(buckets, buffer_numel(spec.reduce_bucket_size)),
                                               *sync_args, acc_device=master_device, scaling=scaling,
-                                              ordered=False, on_param_done=zero3.grads.param_done)
+                                              ordered=False, on_param_done=zero3.grads.param_done, quantized=quantized)
             undo.callback(sync.remove_hooks)
             stage = kinds[1](module, param_groups, spec, policy, scaler, group, device, offload,
                              StageParts(buckets, master, store, sync, plan), zero3)
@@ -137,6 +142,12 @@ def build_stage(module: torch.nn.Module, param_groups: list[dict[str, Any]], spe
     for p in params:
         set_owner(p, stage)
     return stage
+
+
+def _quantized_reduction(group: dist.ProcessGroup | None, device: torch.device) -> QuantizedReduction:
+    """ZeRO++ qgZ over the data-parallel world's two levels (one when it is one node)."""
+    topology = make_topology(group, device)
+    return QuantizedReduction(topology.intra, topology.inter)
 
 
 def _stage_buckets(plan: StagePlan, spec: StageSpec, offload: OffloadPolicy,
@@ -190,7 +201,8 @@ def _zero3_units(module: torch.nn.Module, spec: StageSpec, policy: PrecisionPoli
         # they are gathered while the optimizer reads the row.
         units.append(ParamUnit(b, shard.unit_view(b), group, persistent=keep, name=names.get(b.params[0], "?"),
                                device=device, swap=shard.swap, dtype=policy.param_dtype,
-                               lender=None if keep else lender, observer=observer))
+                               lender=None if keep else lender, observer=observer,
+                               quantize_block=deepspeed_qwz_block_size(b.numel) if spec.quantized_weights else None))
     for u in units:
         u.adopt()
     coordinator = ParamCoordinator(module, units + (frozen.units if frozen else []), spec.max_live_parameters,

@@ -36,7 +36,8 @@ import torch.distributed as dist
 
 from zeroshard.core import host_memory
 from zeroshard.core.comm import collectives as C
-from zeroshard.core.partition import COMM_BUFFERS, Bucket, scatter_into_rows
+from zeroshard.core.comm.quantized import QuantizedReduction, qgz_bucket_block_size
+from zeroshard.core.partition import COMM_BUFFERS, Bucket, full_shape, scatter_into_rows
 from zeroshard.core.precision import PrecisionPolicy
 from zeroshard.core.weak_hooks import remove_when_collected, weak_method_hook
 from zeroshard.errors import ZeroshardError
@@ -445,8 +446,11 @@ class MicroStepReduceScatterSync(GradSync):
     reduce_as_filled = True
     reduces_every_micro_step = True
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
+    def __init__(self, *args: object, quantized: QuantizedReduction | None = None, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        #: ZeRO++ qgZ: buckets reduced by quantized all-to-alls, inside nodes then across
+        self.quantized = quantized
+        self._qgz_blocks: dict[int, int] = {}
         # With optimizer offload the shard lives in host memory (pinned on an accelerator): only
         # this rank's shard crosses over, and it stays allocated (page-locking is slow). On the
         # training device it exists only from a window's first reduction to its step, as FSDP
@@ -488,7 +492,11 @@ class MicroStepReduceScatterSync(GradSync):
     def _launch(self, bucket: Bucket) -> Callable[[], None]:
         full = self._buffer(bucket)
         self._zero_unwritten(full.view(self.layout_world, bucket.numel), bucket, bucket.ready.__contains__)
-        pending = C.reduce_scatter_rows(full, self.group, tag=bucket.index)
+        if self.quantized is not None:
+            pending = C.ReducedRow(None, self.quantized.reduce_rows(full, self._qgz_block(bucket)))
+        else:
+            pending = C.reduce_scatter_rows(full, self.group, tag=bucket.index)
+
         def finalize() -> None:
             row = pending.wait()
             # Written (not added) by each bucket's first reduction of a window.
@@ -513,6 +521,13 @@ class MicroStepReduceScatterSync(GradSync):
             self._free.append(self._buffers.pop(bucket.index))
 
         return finalize
+
+    def _qgz_block(self, bucket: Bucket) -> int:
+        block = self._qgz_blocks.get(bucket.index)
+        if block is None:
+            shapes = [full_shape(p) for p in bucket.params]
+            block = self._qgz_blocks[bucket.index] = qgz_bucket_block_size(shapes, self.world)
+        return block
 
     def accumulator(self) -> torch.Tensor:
         """This rank's flat gradient shard, allocated if the window has none yet."""

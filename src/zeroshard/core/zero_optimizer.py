@@ -73,6 +73,10 @@ class StageSpec:
     #: a step whose gradient norm is NaN or Inf is skipped (False: applied, bf16's
     #: ``check_grad_overflow: false`` as in DeepSpeed; fp16's loss scaling always checks)
     skip_non_finite: bool = True
+    #: ZeRO++ qwZ (stage 3): parameter all-gathers carry blockwise int8 and scales
+    quantized_weights: bool = False
+    #: ZeRO++ qgZ (stages 2-3): gradients reduced by quantized all-to-alls, node by node
+    quantized_gradients: bool = False
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from typing import Any, TypeVar
 import torch
 
 from zeroshard.core.comm import collectives as C
+from zeroshard.core.comm.topology import WORLD
 from zeroshard.core.device import synchronize
 from zeroshard.errors import ConfigError, NotYetSupportedError
 
@@ -138,6 +139,8 @@ class CommsLogger:
         self.rank, self.world = rank, world
         #: op name (with the caller under ``debug``) -> message bytes -> calls
         self.records: dict[str, dict[int, OpRecord]] = {}
+        #: bytes of every collective logged, by the level it crossed (:mod:`zeroshard.core.comm.topology`)
+        self.bytes_by_level: dict[str, int] = {}
         self._unreported = False
 
     # -- the hook ------------------------------------------------------------------------------
@@ -156,10 +159,17 @@ class CommsLogger:
         """Whether ``op`` is profiled (``prof_all``, else listed in ``prof_ops``)."""
         return self.prof_all or op in self.prof_ops
 
-    def run(self, op: str, nbytes: int, device: torch.device, launch: Callable[[], _W]) -> _W:
-        """Start a collective with ``launch``, wait for it, and record its latency."""
+    def run(self, op: str, nbytes: int, device: torch.device, launch: Callable[[], _W], level: str = WORLD) -> _W:
+        """Start a collective with ``launch``, wait for it, and record its latency. A collective
+        over one level of a two-level world (inside nodes, across nodes) is filed as
+        ``"<op> | <level>"``, and its bytes are added to :attr:`bytes_by_level`."""
         if not self.wants(op):
             return launch()
+        self.bytes_by_level[level] = self.bytes_by_level.get(level, 0) + nbytes
+        if level != WORLD:
+            op_name = f"{op} | {level}"
+        else:
+            op_name = op
         synchronize(device)  # work queued before the collective is not its latency
         t0 = time.perf_counter()
         work = launch()
@@ -169,7 +179,7 @@ class CommsLogger:
         synchronize(device)
         seconds = time.perf_counter() - t0
         # Frames: run <- collectives._logged <- the collective <- its caller.
-        name = f"{op} | [Caller Func: {sys._getframe(3).f_code.co_name}]" if self.debug else op
+        name = f"{op_name} | [Caller Func: {sys._getframe(3).f_code.co_name}]" if self.debug else op_name
         self.record(op, name, nbytes, seconds)
         return work
 
@@ -212,6 +222,7 @@ class CommsLogger:
         self._unreported = False
         if reset:
             self.records.clear()
+            self.bytes_by_level.clear()
         return out
 
 

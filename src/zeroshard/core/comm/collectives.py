@@ -23,6 +23,7 @@ import torch.distributed as dist
 from zeroshard.core import host_memory
 from zeroshard.core.comm.subset import BLOCKS, refuse
 from zeroshard.core.comm.subset import on_ranks as on_ranks  # C.on_ranks(ranks, what), next to what it guards
+from zeroshard.core.comm.topology import WORLD, level_of
 from zeroshard.core.comm.watchdog import STATE
 from zeroshard.core.partition import consecutive_runs
 from zeroshard.errors import DistributedError
@@ -44,8 +45,9 @@ _W = TypeVar("_W", bound="_Waitable | None")
 class Recorder(Protocol):
     """What the communication logger (:mod:`zeroshard.monitor.comms`) offers the collectives."""
 
-    def run(self, op: str, nbytes: int, device: torch.device, launch: Callable[[], _W]) -> _W:
-        """Run ``launch`` (which starts collective ``op`` over ``nbytes``), measure and record it."""
+    def run(self, op: str, nbytes: int, device: torch.device, launch: Callable[[], _W], level: str = WORLD) -> _W:
+        """Run ``launch`` (which starts collective ``op`` over ``nbytes`` between ranks ``level``
+        apart: :mod:`.topology`), measure and record it."""
         ...
 
 
@@ -60,14 +62,15 @@ class CommsHook:
 HOOK = CommsHook()
 
 
-def _logged(op: str, nbytes: int, device: torch.device, launch: Callable[[], _W]) -> _W:
-    """Start a collective through ``launch``, handing it to the communication logger when one is
-    on. ``op`` is DeepSpeed's name for it and ``nbytes`` the whole buffer (nccl-tests' size: the
-    gathered output of an all-gather, the unreduced input of a reduce-scatter)."""
+def _logged(op: str, nbytes: int, device: torch.device, launch: Callable[[], _W],
+            group: ProcessGroup | None = None) -> _W:
+    """Start a collective over ``group`` through ``launch``, handing it to the communication logger
+    when one is on. ``op`` is DeepSpeed's name for it and ``nbytes`` the whole buffer (nccl-tests'
+    size: the gathered output of an all-gather, the unreduced input of a reduce-scatter)."""
     recorder = HOOK.recorder
     if recorder is None:
         return launch()
-    return recorder.run(op, nbytes, device, launch)
+    return recorder.run(op, nbytes, device, launch, level_of(group))
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -215,10 +218,10 @@ def reduce_scatter_rows(buf: torch.Tensor, group: ProcessGroup | None, tag: int 
         return ReducedRow(None, rows[0])
     if dist.get_backend(group) == "gloo":
         return _logged("reduce_scatter_tensor", _nbytes(buf), buf.device,
-                       lambda: _RingReduceScatter(buf, group, tag))
+                       lambda: _RingReduceScatter(buf, group, tag), group)
     out = torch.empty(rows.shape[1], dtype=buf.dtype, device=buf.device)
     return _logged("reduce_scatter_tensor", _nbytes(buf), buf.device,
-                   lambda: ReducedRow(_reduce_scatter_flat(out, buf, group=group, async_op=True), out))
+                   lambda: ReducedRow(_reduce_scatter_flat(out, buf, group=group, async_op=True), out), group)
 
 
 class _RingAllGather(_Ring):
@@ -279,7 +282,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None,
                 work.wait()
                 return None
             return work
-        ringed: dist.Work | None = _logged("all_gather_into_tensor", _nbytes(out), out.device, ring)
+        ringed: dist.Work | None = _logged("all_gather_into_tensor", _nbytes(out), out.device, ring, group)
         return ringed
     work: dist.Work | None = _logged("all_gather_into_tensor", _nbytes(out), out.device,
                                      lambda: _all_gather_flat(out, inp, group=group, async_op=async_op))
@@ -301,14 +304,15 @@ def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> Non
     """Blocking broadcast from global rank ``src``."""
     _begin("broadcast")
     if world_size(group) > 1:
-        _logged("broadcast", _nbytes(tensor), tensor.device, lambda: dist.broadcast(tensor, src=src, group=group))
+        _logged("broadcast", _nbytes(tensor), tensor.device, lambda: dist.broadcast(tensor, src=src, group=group),
+                group)
 
 
 def barrier(group: ProcessGroup | None) -> None:
     """Block until every rank of ``group`` reaches it."""
     _begin("barrier")
     if world_size(group) > 1:
-        _logged("barrier", 0, torch.device("cpu"), lambda: dist.barrier(group=group))
+        _logged("barrier", 0, torch.device("cpu"), lambda: dist.barrier(group=group), group)
 
 
 def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: ProcessGroup | None,
@@ -330,7 +334,7 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: Proces
         buckets = consecutive_runs(kind, lambda t: t.numel() * t.element_size(), bucket_bytes)
         for chunk in buckets:
             flat = torch.cat([x.reshape(-1) for x in chunk])
-            _logged("broadcast", _nbytes(flat), flat.device, partial(dist.broadcast, flat, src=src, group=group))
+            _logged("broadcast", _nbytes(flat), flat.device, partial(dist.broadcast, flat, src=src, group=group), group)
             if receiving:
                 for x, piece in zip(chunk, flat.split([x.numel() for x in chunk])):
                     x.copy_(piece.view_as(x))

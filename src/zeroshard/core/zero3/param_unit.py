@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from zeroshard.core import host_memory
 from zeroshard.core.comm import collectives as C
+from zeroshard.core.comm.quantized import QuantizedGather, quantized_all_gather
 from zeroshard.core.partition import INIT_CHUNK_ATTR, Bucket, full_shape, gather_from_rows, set_full_shape
 from zeroshard.core.seam import NO_OBSERVER, ParamObserver, set_unit
 from zeroshard.errors import ZeroshardError
@@ -78,7 +79,7 @@ class ParamUnit:
     def __init__(self, bucket: Bucket, shard: torch.Tensor | None, group: dist.ProcessGroup | None,
                  persistent: bool, name: str, device: torch.device | None = None, swap: ParamSwapFile | None = None,
                  dtype: torch.dtype | None = None, *, frozen: bool = False, lender: RowLender | None = None,
-                 observer: ParamObserver = NO_OBSERVER) -> None:
+                 observer: ParamObserver = NO_OBSERVER, quantize_block: int | None = None) -> None:
         self.bucket = bucket
         #: ``[bucket.numel]`` view into the flat shard buffer: the compute-dtype shard (on the device,
         #: or in host memory with parameter offload), or the fp32 masters themselves (cast when
@@ -109,7 +110,7 @@ class ParamUnit:
                        and bucket.numel == bucket.layouts[0].shard_numel)
         #: a direct unit's padded flat tensor, which its full tensor views (the all-gather output)
         self._landing: torch.Tensor | None = None
-        self._pending: tuple[torch.Tensor, dist.Work | None] | None = None
+        self._pending: tuple[torch.Tensor, dist.Work | QuantizedGather | None] | None = None
         #: the full tensors of the last gather whose storage was freed in place: refilled (same
         #: storage) by the next gather, for the views autograd saved of them
         self._freed: list[torch.Tensor] | None = None
@@ -120,6 +121,8 @@ class ParamUnit:
         #: fp32 in host memory: takes the shard's row back while the unit is gathered for training
         #: (:mod:`~zeroshard.core.zero3.lent_rows`); ``None`` where the gathered values are no copy of it
         self.lender = lender
+        #: ZeRO++ qwZ: the all-gather carries int8 blocks of this many elements and their scales
+        self.quantize_block = quantize_block
 
     @property
     def state(self) -> UnitState:
@@ -173,10 +176,12 @@ class ParamUnit:
 
     def _start_all_gather(self, shard: torch.Tensor | None, pooled: bool = False) -> None:
         assert shard is not None
-        if shard.device != self.device or shard.dtype != self.dtype:
+        # Quantized, the fp32 masters are quantized as they are (no cast first: one rounding, not two).
+        dtype = shard.dtype if self.quantize_block is not None and shard.dtype.is_floating_point else self.dtype
+        if shard.device != self.device or shard.dtype != dtype:
             # Parameter offload (host memory to the device), or the fp32 masters cast on the way.
             # A pooled swap buffer goes back to the pool (and is refilled) right after: copy blocking.
-            shard = shard.to(self.device, self.dtype, non_blocking=not pooled)
+            shard = shard.to(self.device, dtype, non_blocking=not pooled)
         numel = self.world * self.bucket.numel
         if self.direct:
             out = self._direct_landing(numel)
@@ -186,7 +191,10 @@ class ParamUnit:
             out = self._out_map.tensor(self.dtype)
         else:
             out = torch.empty(numel, dtype=self.dtype, device=self.device)
-        self._pending = (out, C.all_gather(out, shard, self.group, what=self.gather_what))
+        if self.quantize_block is not None:
+            self._pending = (out, quantized_all_gather(out, shard, self.group, self.quantize_block))
+        else:
+            self._pending = (out, C.all_gather(out, shard, self.group, what=self.gather_what))
 
     @property
     def in_flight(self) -> bool:

@@ -276,16 +276,16 @@ class ConfigAccessors:
         return 1
 
     def zero_quantized_weights(self) -> bool:
-        """Always False."""
-        return False
+        """``zero_optimization.zero_quantized_weights`` (ZeRO++ qwZ)."""
+        return bool(self.config.zero_optimization.zero_quantized_weights)
 
     def zero_quantized_nontrainable_weights(self) -> bool:
         """Always False."""
         return False
 
     def zero_quantized_gradients(self) -> bool:
-        """Always False."""
-        return False
+        """``zero_optimization.zero_quantized_gradients`` (ZeRO++ qgZ)."""
+        return bool(self.config.zero_optimization.zero_quantized_gradients)
 
     def zero_log_trace_cache_warnings(self) -> bool:
         """Always False."""

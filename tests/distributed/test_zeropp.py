@@ -1,0 +1,133 @@
+"""ZeRO++ quantized communication through the public API, in real multi-process gloo runs.
+
+* **qwZ** (``zero_quantized_weights``, stage 3): parameter all-gathers carry int8 blocks and fp32
+  scales; the fp32 masters stay exact.
+* **qgZ** (``zero_quantized_gradients``, stages 2-3): gradients reduced by 4-bit all-to-alls,
+  inside each node and then across nodes, summed in fp32.
+
+Worlds: 2 nodes x 1 rank and 2 nodes x 2 ranks (``LOCAL_WORLD_SIZE`` 1 or 2, as torchrun sets it
+on each of two machines: the topology module then builds the two levels' groups). qgZ quantizes
+to 8 bits inside a node and to DeepSpeed's 4 bits across nodes.
+
+Parity: after 20 steps (accumulation 2, clipping 1.0, AdamW), the parameters are within the
+issue's G = ||w - w_ref|| / ||w_ref|| <= 5e-2 of plain single-process PyTorch, and not equal to
+them (above 1e-6: the quantization really ran; the unquantized stages are within 1e-5).
+
+Bytes, from the communication logger, per rank over the run, against the same run unquantized:
+qwZ's parameter all-gathers <= 0.55x (bf16 training: int8 and scales against bf16); qgZ's
+gradient bytes in collectives that cross nodes <= 0.3x (the plain reduce-scatter spans both
+nodes: all its bytes; qgZ: only its across-nodes all-to-all, on partial sums already reduced
+inside the node, at 4 bits), and no all-gather or reduce-scatter left at the world level.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+from harness import run_distributed
+from models import make_data, make_model, micro_batch, train_reference
+
+import zeroshard
+from zeroshard.core.comm import collectives as C
+
+GLOBAL_BATCH, GA, STEPS, LR, CLIP = 24, 2, 20, 1e-2, 1.0
+G_MAX = 5e-2
+
+
+def _config(stage: int, qwz: bool, qgz: bool, bf16: bool) -> dict[str, Any]:
+    return {
+        "train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": GA, "gradient_clipping": CLIP,
+        "bf16": {"enabled": bf16},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 600, "overlap_comm": True,
+                              "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 500,
+                              "stage3_prefetch_bucket_size": 1200,
+                              "zero_quantized_weights": qwz, "zero_quantized_gradients": qgz},
+        "comms_logger": {"enabled": True, "prof_all": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                   "weight_decay": 0.01}},
+    }
+
+
+def train(rank: int, world: int, local: int, runs: list[tuple[int, bool, bool, bool]]) -> dict[str, Any]:
+    os.environ["LOCAL_WORLD_SIZE"] = str(local)
+    x, y = make_data(STEPS, GLOBAL_BATCH)
+    micro = GLOBAL_BATCH // (GA * world)
+    out: dict[str, Any] = {}
+    for stage, qwz, qgz, bf16 in runs:
+        model = make_model(0)
+        engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(),
+                                          config=_config(stage, qwz, qgz, bf16))
+        logger = C.HOOK.recorder
+        for step in range(STEPS):
+            for m in range(GA):
+                engine.backward(engine(*(micro_batch(t, step, m, rank, world, micro) for t in (x, y))))
+                engine.step()
+        by_op: dict[str, int] = {}
+        for name, sizes in logger.records.items():  # type: ignore[union-attr]
+            by_op[name] = sum(size * rec.count for size, rec in sizes.items())
+        engine.comms_logger.uninstall()
+        with engine.gathered():
+            params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+        out[f"{stage}/{qwz}/{qgz}/{bf16}"] = {"params": params, "bytes": by_op}
+        engine.destroy()
+    return out
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    x, y = make_data(STEPS, GLOBAL_BATCH)
+    model = train_reference(make_model(0), x, y, LR, CLIP)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _distance(params: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    diff = torch.cat([(params[n] - ref[n]).flatten() for n in ref])
+    return float(diff.norm() / torch.cat([r.flatten() for r in ref.values()]).norm())
+
+
+RUNS = [(3, False, False, False), (3, True, False, False), (3, False, True, False), (3, True, True, False),
+        (2, False, True, False), (3, False, False, True), (3, True, False, True)]
+
+
+@pytest.fixture(scope="module", params=[(2, 1), (4, 2)], ids=["2nodes_x1", "2nodes_x2"])
+def results(request: pytest.FixtureRequest) -> tuple[int, dict[str, Any]]:
+    world, local = request.param
+    return world, run_distributed(train, world, local, RUNS, timeout=600)[0]
+
+
+def test_quantized_training_stays_near_the_reference(results: tuple[int, dict[str, Any]]) -> None:
+    world, out = results
+    ref = _reference()
+    plain = _distance(out["3/False/False/False"]["params"], ref)
+    assert plain <= 1e-5, plain
+    for key in ("3/True/False/False", "3/False/True/False", "3/True/True/False", "2/False/True/False"):
+        g = _distance(out[key]["params"], ref)
+        print(f"world {world} stage/qwZ/qgZ {key}: G = {g:.2e}")
+        assert 1e-6 < g <= G_MAX, (key, g)
+
+
+def test_qwz_gathers_int8(results: tuple[int, dict[str, Any]]) -> None:
+    _, out = results
+    plain, quant = out["3/False/False/True"]["bytes"], out["3/True/False/True"]["bytes"]
+    gathered = {k: sum(v for n, v in b.items() if n.startswith("all_gather_into_tensor")) for k, b in
+                (("plain", plain), ("qwz", quant))}
+    ratio = gathered["qwz"] / gathered["plain"]
+    print(f"qwZ all-gather bytes {gathered['qwz']} / bf16 {gathered['plain']} = {ratio:.3f}")
+    assert 0 < ratio <= 0.55, gathered
+
+
+def test_qgz_gradient_bytes_across_nodes(results: tuple[int, dict[str, Any]]) -> None:
+    world, out = results
+    plain, quant = out["3/False/False/False"]["bytes"], out["3/False/True/False"]["bytes"]
+    plain_grads = sum(v for n, v in plain.items() if n.startswith("reduce_scatter_tensor"))
+    assert plain_grads > 0 and not any(n.startswith("reduce_scatter_tensor") for n in quant), quant
+    across = sum(v for n, v in quant.items() if n == "all_to_all_single | across nodes")
+    inside = sum(v for n, v in quant.items() if n == "all_to_all_single | inside nodes")
+    assert across > 0 and (inside > 0) == (world == 4), quant  # one rank a node: no step inside
+    assert "all_to_all_single" not in quant, quant  # nothing at the world level
+    ratio = across / plain_grads
+    print(f"world {world}: qgZ gradient bytes across nodes {across} / plain reduce-scatter {plain_grads} = "
+          f"{ratio:.3f}")
+    assert 0 < ratio <= 0.3, (across, plain_grads)
