@@ -166,3 +166,33 @@ def test_link_down_fails_ranks(tmp_path: Path) -> None:
         assert ended < 60
         pids = [p.pid for p in job.procs]
     _assert_nothing_left(cluster, inodes, pids)
+
+
+cluster_1gbit = cluster_fixture("1gbit", prefix=PREFIX)
+TRAIN = Path(__file__).resolve().parents[1] / "cluster_train.py"
+
+
+def test_zeropp_quantization_cuts_the_bytes_on_the_link(cluster_1gbit: EmulatedCluster, tmp_path: Path) -> None:
+    """ZeRO stage 3 on 2 nodes x 2 ranks, fp32, 4 steps: with qwZ and qgZ the bytes that really cross
+    the veth (its counters, both directions) are at most 0.35x the plain run's, and the comms
+    logger saw the quantized collectives at both levels. Measured 0.303x: the int8 parameter
+    all-gathers (a quarter of fp32's, plus scales) still cross the link twice a step, forward and
+    backward, and dominate; hpZ, not built yet, would keep the backward one inside the node (the
+    issue's 0.3x is for all three techniques). The 4-bit gradient all-to-all across nodes carries
+    a quarter of what the one inside them does."""
+    sent = {}
+    for mode in ("plain", "quantized"):
+        out = tmp_path / mode
+        out.mkdir()
+        run = torchrun_cluster(cluster_1gbit, TRAIN, ["--out", str(out)] + (["--quantized"] if mode != "plain" else []),
+                               nproc_per_node=2, timeout=300)
+        if not run.ok:
+            log = run.describe()
+            assert not run.timed_out and (out / "train.json").exists() and died_in_teardown(mode, log), log
+        sent[mode] = (sum(run.link_delta), json.loads((out / "train.json").read_text()))
+    ratio = sent["quantized"][0] / sent["plain"][0]
+    print(f"bytes on the link: plain {sent['plain'][0]}, quantized {sent['quantized'][0]} ({ratio:.3f}x); "
+          f"logger levels {sent['quantized'][1]['levels']}")
+    assert ratio <= 0.35, sent
+    levels = sent["quantized"][1]["levels"]
+    assert levels.get("across nodes", 0) > 0 and levels.get("inside nodes", 0) > 0, levels
