@@ -183,6 +183,7 @@ def initialize(
         skip_non_finite=cfg.fp16.enabled or not cfg.bf16.enabled or bool(cfg.bf16.check_grad_overflow),
         quantized_weights=bool(z.zero_quantized_weights),
         quantized_gradients=bool(z.zero_quantized_gradients),
+        hpz_partition_size=max(1, int(z.zero_hpz_partition_size)),
     )
     _note_default_clipping(cfg, group)
     if not spec.skip_non_finite and C.rank(group) == 0:

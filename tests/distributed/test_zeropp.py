@@ -32,34 +32,37 @@ from models import make_data, make_model, micro_batch, train_reference
 
 import zeroshard
 from zeroshard.core.comm import collectives as C
+from zeroshard.estimate.model_spec import spec_from_module
+from zeroshard.estimate.states import model_states
 
 GLOBAL_BATCH, GA, STEPS, LR, CLIP = 24, 2, 20, 1e-2, 1.0
 G_MAX = 5e-2
 
 
-def _config(stage: int, qwz: bool, qgz: bool, bf16: bool) -> dict[str, Any]:
+def _config(stage: int, qwz: bool, qgz: bool, bf16: bool, hpz: int = 1) -> dict[str, Any]:
     return {
         "train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": GA, "gradient_clipping": CLIP,
         "bf16": {"enabled": bf16},
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 600, "overlap_comm": True,
                               "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 500,
                               "stage3_prefetch_bucket_size": 1200,
-                              "zero_quantized_weights": qwz, "zero_quantized_gradients": qgz},
+                              "zero_quantized_weights": qwz, "zero_quantized_gradients": qgz,
+                              "zero_hpz_partition_size": hpz},
         "comms_logger": {"enabled": True, "prof_all": True},
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8,
                                                    "weight_decay": 0.01}},
     }
 
 
-def train(rank: int, world: int, local: int, runs: list[tuple[int, bool, bool, bool]]) -> dict[str, Any]:
+def train(rank: int, world: int, local: int, runs: list[tuple[int, bool, bool, bool, int]]) -> dict[str, Any]:
     os.environ["LOCAL_WORLD_SIZE"] = str(local)
     x, y = make_data(STEPS, GLOBAL_BATCH)
     micro = GLOBAL_BATCH // (GA * world)
     out: dict[str, Any] = {}
-    for stage, qwz, qgz, bf16 in runs:
+    for stage, qwz, qgz, bf16, hpz in runs:
         model = make_model(0)
         engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(),
-                                          config=_config(stage, qwz, qgz, bf16))
+                                          config=_config(stage, qwz, qgz, bf16, hpz))
         logger = C.HOOK.recorder
         for step in range(STEPS):
             for m in range(GA):
@@ -71,7 +74,10 @@ def train(rank: int, world: int, local: int, runs: list[tuple[int, bool, bool, b
         engine.comms_logger.uninstall()
         with engine.gathered():
             params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
-        out[f"{stage}/{qwz}/{qgz}/{bf16}"] = {"params": params, "bytes": by_op}
+        key = f"{stage}/{qwz}/{qgz}/{bf16}" + (f"/hpz{hpz}" if hpz > 1 else "")
+        units = [u for u in engine.optimizer.units if not u.persistent] if stage == 3 else []
+        out[key] = {"params": params, "bytes": by_op, "usage": engine.memory_usage(),
+                    "secondary_bound": sum(u.world * u.bucket.numel for u in units) * (2 if bf16 else 4)}
         engine.destroy()
     return out
 
@@ -87,14 +93,15 @@ def _distance(params: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> 
     return float(diff.norm() / torch.cat([r.flatten() for r in ref.values()]).norm())
 
 
-RUNS = [(3, False, False, False), (3, True, False, False), (3, False, True, False), (3, True, True, False),
-        (2, False, True, False), (3, False, False, True), (3, True, False, True)]
+RUNS = [(3, False, False, False, 1), (3, True, False, False, 1), (3, False, True, False, 1), (3, True, True, False, 1),
+        (2, False, True, False, 1), (3, False, False, True, 1), (3, True, False, True, 1)]
+HPZ_RUNS = [(3, False, False, False, 2), (3, True, True, False, 2)]  # 2 nodes x 2: hpZ inside each node
 
 
 @pytest.fixture(scope="module", params=[(2, 1), (4, 2)], ids=["2nodes_x1", "2nodes_x2"])
 def results(request: pytest.FixtureRequest) -> tuple[int, dict[str, Any]]:
     world, local = request.param
-    return world, run_distributed(train, world, local, RUNS, timeout=600)[0]
+    return world, run_distributed(train, world, local, RUNS + (HPZ_RUNS if local == 2 else []), timeout=600)[0]
 
 
 def test_quantized_training_stays_near_the_reference(results: tuple[int, dict[str, Any]]) -> None:
@@ -131,3 +138,54 @@ def test_qgz_gradient_bytes_across_nodes(results: tuple[int, dict[str, Any]]) ->
     print(f"world {world}: qgZ gradient bytes across nodes {across} / plain reduce-scatter {plain_grads} = "
           f"{ratio:.3f}")
     assert 0 < ratio <= 0.3, (across, plain_grads)
+
+
+def test_hpz_trains_exactly_and_keeps_backward_gathers_inside_nodes(results: tuple[int, dict[str, Any]]) -> None:
+    """hpZ moves data, it does not round it: the reference's parameters within fp32 noise. The live
+    budget (500 elements) releases every unit after its forward, so backward gathers them again:
+    with hpZ from the secondary shards, over the 2 ranks of the node (the logger's "inside nodes"),
+    and the world-level all-gathers are the forward's alone, about half of plain stage 3's."""
+    world, out = results
+    if world != 4:
+        pytest.skip("hpZ needs several ranks a node (2 nodes x 2)")
+    run, plain = out["3/False/False/False/hpz2"], out["3/False/False/False"]
+    assert _distance(run["params"], _reference()) <= 1e-5
+    world_gathers = {k: r["bytes"].get("all_gather_into_tensor", 0) for k, r in (("hpz", run), ("plain", plain))}
+    inside = run["bytes"].get("all_gather_into_tensor | inside nodes", 0)
+    print(f"hpZ all-gather bytes: world {world_gathers['hpz']} (plain stage 3: {world_gathers['plain']}), "
+          f"inside nodes {inside}; secondary shard peak {run['usage']['secondary_shard_peak']} B")
+    assert inside > 0 and world_gathers["hpz"] <= 0.55 * world_gathers["plain"], (world_gathers, inside)
+    # memory_usage() counts the secondaries: at most 1/h of every released unit, gathered
+    peak = run["usage"]["secondary_shard_peak"]
+    assert 0 < peak <= run["secondary_bound"] // 2, (peak, run["secondary_bound"])
+    assert "secondary_shard_peak" not in plain["usage"]
+    # and `zeroshard estimate` predicts it (every unit released: persistence threshold 0)
+    spec = spec_from_module(make_model(0), "test model")
+    assert model_states(spec, 3, world, "fp32", persistence_threshold=0, hpz_partition_size=2).secondary == peak
+
+
+def test_all_three_together(results: tuple[int, dict[str, Any]]) -> None:
+    world, out = results
+    if world != 4:
+        pytest.skip("hpZ needs several ranks a node (2 nodes x 2)")
+    g = _distance(out["3/True/True/False/hpz2"]["params"], _reference())
+    print(f"qwZ + qgZ + hpZ: G = {g:.2e}")
+    assert 1e-6 < g <= G_MAX, g
+
+
+def bad_hpz(rank: int, world: int, local: int, size: int) -> str:
+    os.environ["LOCAL_WORLD_SIZE"] = str(local)
+    model = make_model(0)
+    try:
+        zeroshard.initialize(model=model, model_parameters=model.parameters(),
+                             config=_config(3, False, False, False, size))
+    except zeroshard.errors.ConfigError as e:
+        return f"{e.key}: {e}"
+    return "no error"
+
+
+@pytest.mark.parametrize(("local", "size", "words"), [(2, 4, "zero_hpz_partition_size 4 does not divide the 2 ranks"),
+                                                     (4, 3, "zero_hpz_partition_size 3 does not divide the 4 ranks")])
+def test_an_hpz_size_that_does_not_divide_a_node(local: int, size: int, words: str) -> None:
+    for message in run_distributed(bad_hpz, 4, local, size):
+        assert message.startswith("zero_optimization.zero_hpz_partition_size: ") and words in message, message

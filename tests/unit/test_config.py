@@ -371,8 +371,8 @@ def test_unknown_nested_key_suggests_closest() -> None:
             "zero_optimization.zero_quantized_nontrainable_weights",
         ),
         (
-            _cfg(zero_optimization={"stage": 2, "zero_hpz_partition_size": 8}),
-            "zero_optimization.zero_hpz_partition_size",
+            _cfg(zero_optimization={"stage": 3, "mics_shard_size": 8}),
+            "zero_optimization.mics_shard_size",
         ),
         (
             _cfg(bf16={"enabled": True, "bf16_master_weights_and_grads": True}),
@@ -399,7 +399,6 @@ def test_inactive_deepspeed_feature_is_accepted() -> None:
 
 @pytest.mark.parametrize("zero", [
     {"zero_quantized_nontrainable_weights": 0},  # read as a bool, as pydantic does
-    {"zero_hpz_partition_size": 0}, {"zero_hpz_partition_size": 1},  # DeepSpeed's hpZ starts above 1
     {"mics_shard_size": 0}, {"use_multi_rank_bucket_allreduce": 1},
 ])
 def test_deepspeeds_off_values_in_its_other_spellings_are_accepted(zero: dict[str, Any]) -> None:
@@ -408,7 +407,7 @@ def test_deepspeeds_off_values_in_its_other_spellings_are_accepted(zero: dict[st
     assert not set(zero) & set(to_dict(cfg)["zero_optimization"])
 
 
-@pytest.mark.parametrize("zero", [{"zero_quantized_nontrainable_weights": 1}, {"zero_hpz_partition_size": 2},
+@pytest.mark.parametrize("zero", [{"zero_quantized_nontrainable_weights": 1},
                                   {"mics_shard_size": 4}, {"use_multi_rank_bucket_allreduce": "no"}])
 def test_deepspeeds_on_values_stay_refused(zero: dict[str, Any]) -> None:
     with pytest.raises(ConfigError, match="DeepSpeed feature that zeroshard does not support"):
@@ -418,6 +417,7 @@ def test_deepspeeds_on_values_stay_refused(zero: dict[str, Any]) -> None:
 @pytest.mark.parametrize(("zero", "key", "words"), [
     ({"stage": 2, "zero_quantized_weights": True}, "zero_quantized_weights", "needs stage 3, not stage 2"),
     ({"stage": 1, "zero_quantized_gradients": True}, "zero_quantized_gradients", "stages 2-3, not stage 1"),
+    ({"stage": 2, "zero_hpz_partition_size": 8}, "zero_hpz_partition_size", "8 .* needs stage 3, not stage 2"),
 ])
 def test_zeropp_quantization_at_a_stage_without_it(zero: dict[str, Any], key: str, words: str) -> None:
     with pytest.raises(ConfigError, match=words) as e:

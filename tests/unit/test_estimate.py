@@ -829,3 +829,28 @@ def test_estimate_prints_the_config_unless_told_where_to_write_it(tmp_path: Path
     printed = text[text.index("\n{", text.index("chosen: ZeRO stage")) + 1:]
     config = load_config(json.loads(printed), world_size=8)
     assert f"chosen: ZeRO stage {config.zero_stage}" in text
+
+
+def test_hpz_secondary_shards_in_the_estimate(capsys: pytest.CaptureFixture[str]) -> None:
+    """Stage 3 with hpZ holds 1/h of every released unit on top of the rest; other stages nothing;
+    a stage-3 row's buffers grow by it and its config carries the key; the CLI takes --hpz, a
+    divisor of --gpus. (That the engine holds exactly this: tests/distributed/test_zeropp.py.)"""
+    from zeroshard.cli.estimate import main
+    from zeroshard.estimate.model_spec import spec_from_count
+    from zeroshard.estimate.planner import Hardware, Training, ds_config, zeroshard_row
+    from zeroshard.estimate.states import model_states
+
+    spec = spec_from_count(1_000_000_000, 50_000_000)
+    plain, hpz = (model_states(spec, 3, 16, "bf16", hpz_partition_size=h) for h in (1, 8))
+    assert plain.secondary == 0 and hpz.buffers - plain.buffers == hpz.secondary
+    assert abs(hpz.secondary - 2 * 1_000_000_000 / 8) < 2 * 16 * 20  # bf16, 1/8, padding aside
+    assert model_states(spec, 2, 16, "bf16", hpz_partition_size=8).secondary == 0
+    hw = Hardware(8, 2, None, None)
+    rows = [zeroshard_row(spec, hw, Training(hpz_partition_size=h), 3) for h in (1, 8)]
+    assert rows[1].buffers - rows[0].buffers == hpz.secondary
+    assert ds_config(rows[1], Training(hpz_partition_size=8))["zero_optimization"]["zero_hpz_partition_size"] == 8
+    assert "zero_hpz_partition_size" not in ds_config(rows[0], Training())["zero_optimization"]
+    with pytest.raises(SystemExit):
+        main(["--params", "1e9", "--gpus", "8", "--hpz", "3"])
+    assert "must divide the 8 GPUs of a node" in capsys.readouterr().err
+    assert main(["--params", "1e9", "--gpus", "8", "--hpz", "8"]) == 0

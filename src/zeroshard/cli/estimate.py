@@ -62,6 +62,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                    help="attention kernel: sdpa/flash (default) or eager (keeps the s^2 softmax)")
     p.add_argument("--activation-bytes", metavar="SIZE",
                    help="activation memory per GPU for one micro batch, for models without a transformer config")
+    p.add_argument("--hpz", type=int, default=1, metavar="H",
+                   help="ZeRO++ hpZ's zero_hpz_partition_size: stage 3 rows count its secondary shards (1/H of "
+                        "the gathered parameters per GPU); a divisor of --gpus (default 1: off)")
     p.add_argument("--gpu-memory", metavar="SIZE", help="memory per GPU: pick the fastest config that fits")
     p.add_argument("--cpu-memory", metavar="SIZE", help="CPU memory per node the config must fit (with --gpu-memory)")
     p.add_argument("--nvme-gb", type=float, metavar="GB",
@@ -133,6 +136,8 @@ def _check_numbers(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
                           ("--seq-len", args.seq_len)):
         if value is not None and value < 1:
             parser.error(f"argument {option}: must be at least 1, got {value}")
+    if args.hpz < 1 or args.gpus % args.hpz:
+        parser.error(f"argument --hpz: must divide the {args.gpus} GPUs of a node (--gpus), got {args.hpz}")
     if not 0 <= args.headroom < 1:
         parser.error(f"argument --headroom: must be in [0, 1), got {args.headroom}")
     for option, value in (("--cpu-memory", args.cpu_memory), ("--nvme-gb", args.nvme_gb),
@@ -174,7 +179,8 @@ def main(argv: Sequence[str], prog: str = "zeroshard estimate") -> int:
         notes.append(f"note: --seq-len {seq_len} exceeds the model's max_position_embeddings ({max_pos})")
     nvme_memory = int(args.nvme_gb * 1e9) if args.nvme_gb is not None else None
     hardware = Hardware(args.gpus, args.nodes, gpu_memory, cpu_memory, nvme_memory)
-    training = Training(args.dtype, args.grad_accum_dtype, args.micro_batch, seq_len, args.attention, activation_bytes)
+    training = Training(args.dtype, args.grad_accum_dtype, args.micro_batch, seq_len, args.attention, activation_bytes,
+                        hpz_partition_size=args.hpz)
     print(render_estimate(estimate(spec, hardware, training)))
     for n in notes:
         print(n)

@@ -107,7 +107,6 @@ DEEPSPEED_ONLY: dict[str, Any] = {
     "vocabulary_size": ANY_VALUE,
     # zero_optimization
     _Z + "zero_quantized_nontrainable_weights": False,
-    _Z + "zero_hpz_partition_size": AtMost(1),  # DeepSpeed: hpZ when > 1
     _Z + "mics_shard_size": AtMost(0),  # older DeepSpeed: MiCS when > 0 (0.19.8 refuses the key)
     _Z + "mics_hierarchical_params_gather": False,
     _Z + "zeropp_loco_param": None,

@@ -119,6 +119,10 @@ def _check_consistency(cfg: ZeroshardConfig) -> None:
     if zero.zero_quantized_weights and zero.stage != 3:
         raise ConfigError(f"zero_quantized_weights (ZeRO++ qwZ) quantizes ZeRO-3's parameter all-gathers: it needs "
                           f"stage 3, not stage {zero.stage}", key="zero_optimization.zero_quantized_weights")
+    if zero.zero_hpz_partition_size > 1 and zero.stage != 3:
+        raise ConfigError(f"zero_hpz_partition_size {zero.zero_hpz_partition_size} (ZeRO++ hpZ) keeps secondary "
+                          f"shards of ZeRO-3's gathered parameters: it needs stage 3, not stage {zero.stage}",
+                          key="zero_optimization.zero_hpz_partition_size")
     if zero.zero_quantized_gradients and zero.stage < 2:
         raise ConfigError(f"zero_quantized_gradients (ZeRO++ qgZ) quantizes the gradient reduce-scatter of "
                           f"stages 2-3, not stage {zero.stage}", key="zero_optimization.zero_quantized_gradients")

@@ -60,6 +60,7 @@ CONSUMERS: dict[str, str] = {
     _Z + "sub_group_size": "core/offload/policy.py",
     _Z + "zero_quantized_weights": "initialize.py",
     _Z + "zero_quantized_gradients": "initialize.py",
+    _Z + "zero_hpz_partition_size": "initialize.py",
     "aio.block_size": "core/offload/policy.py",
     "aio.queue_depth": "core/offload/policy.py",
     "aio.intra_op_parallelism": "core/offload/policy.py",

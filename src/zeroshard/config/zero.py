@@ -179,6 +179,11 @@ class ZeroConfig(ConfigModel):
     """ZeRO++ qgZ (stages 2-3): gradients are reduced by quantized all-to-alls, inside each node
     first and then across nodes, and summed in fp32."""
 
+    zero_hpz_partition_size: Int = Field(default=1, ge=0)
+    """ZeRO++ hpZ (stage 3): after a unit's forward gather each rank keeps a secondary shard over
+    this many consecutive ranks of its node, and the backward gathers from inside the node only.
+    0 and 1 turn it off (DeepSpeed's default 1)."""
+
     ignore_unused_parameters: bool = True
     """Tolerate parameters that receive no gradient in a step instead of raising an error."""
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from zeroshard.core.clock import StepClock
 from zeroshard.core.comm import collectives as C
 from zeroshard.core.comm.quantized import QuantizedReduction, deepspeed_qwz_block_size
-from zeroshard.core.comm.topology import make_topology
+from zeroshard.core.comm.topology import make_hpz_group, make_topology
 from zeroshard.core.grad_sync import (
     AllReduceSync,
     BoundaryReduceScatterSync,
@@ -43,6 +43,7 @@ from zeroshard.core.zero3.coordinator import ParamCoordinator
 from zeroshard.core.zero3.frozen import FrozenShard, frozen_to_partition
 from zeroshard.core.zero3.lent_rows import RowLender
 from zeroshard.core.zero3.param_unit import ParamUnit
+from zeroshard.core.zero3.secondary import SecondaryShards
 from zeroshard.core.zero3.stage3 import Stage3Optimizer, UnitGradCounter, Zero3Parts
 from zeroshard.core.zero3.units import unit_groups
 from zeroshard.core.zero_optimizer import StageParts, StageSpec, ZeroOptimizer
@@ -62,7 +63,8 @@ def plan_for(spec: StageSpec, policy: PrecisionPolicy, offload: OffloadPolicy, d
              world: int) -> StagePlan:
     """The plan of the stage ``spec`` asks for, on ``device`` with ``world`` ranks."""
     return make_plan(spec.stage, world, policy.param_dtype == torch.float32, offload.optimizer, offload.params,
-                     accelerator=device.type != "cpu", quantized_weights=spec.quantized_weights)
+                     accelerator=device.type != "cpu", quantized_weights=spec.quantized_weights,
+                     secondary_shards=spec.hpz_partition_size > 1)
 
 
 def build_stage(module: torch.nn.Module, param_groups: list[dict[str, Any]], spec: StageSpec,
@@ -150,6 +152,12 @@ def _quantized_reduction(group: dist.ProcessGroup | None, device: torch.device) 
     return QuantizedReduction(topology.intra, topology.inter)
 
 
+def _secondary_shards(group: dist.ProcessGroup | None, device: torch.device, size: int) -> SecondaryShards:
+    """ZeRO++ hpZ: this rank's group of ``size`` consecutive ranks inside its node."""
+    hpz = make_hpz_group(group, device, size)
+    return SecondaryShards(hpz, size, C.rank(hpz), C.world_size(group))
+
+
 def _stage_buckets(plan: StagePlan, spec: StageSpec, offload: OffloadPolicy,
                    params: list[torch.nn.Parameter]) -> list[Bucket]:
     """Stages 0-2: buckets of up to ``reduce_bucket_size`` elements in reverse registration order
@@ -194,6 +202,7 @@ def _zero3_units(module: torch.nn.Module, spec: StageSpec, policy: PrecisionPoli
                  observer: ParamObserver) -> Zero3Parts:
     """Stage 3's units, which adopt the trained parameters, and the coordinator that gathers them."""
     names = {p: n for n, p in module.named_parameters()}
+    secondaries = _secondary_shards(group, device, spec.hpz_partition_size) if spec.hpz_partition_size > 1 else None
     units = []
     for b in buckets:
         keep = _numel(b) <= spec.param_persistence_threshold
@@ -202,14 +211,15 @@ def _zero3_units(module: torch.nn.Module, spec: StageSpec, policy: PrecisionPoli
         units.append(ParamUnit(b, shard.unit_view(b), group, persistent=keep, name=names.get(b.params[0], "?"),
                                device=device, swap=shard.swap, dtype=policy.param_dtype,
                                lender=None if keep else lender, observer=observer,
-                               quantize_block=deepspeed_qwz_block_size(b.numel) if spec.quantized_weights else None))
+                               quantize_block=deepspeed_qwz_block_size(b.numel) if spec.quantized_weights else None,
+                               secondaries=None if keep else secondaries))
     for u in units:
         u.adopt()
     coordinator = ParamCoordinator(module, units + (frozen.units if frozen else []), spec.max_live_parameters,
                                    spec.prefetch_bucket_size, release_after_forward=not trains, clock=clock)
     undo.callback(coordinator.remove_hooks)
     coordinator.gather_persistent()
-    return Zero3Parts(shard, units, frozen, lender, coordinator, UnitGradCounter(units, coordinator))
+    return Zero3Parts(shard, units, frozen, lender, coordinator, UnitGradCounter(units, coordinator), secondaries)
 
 
 def _numel(b: Bucket) -> int:

@@ -76,10 +76,10 @@ class StagePlan:
 
 
 def make_plan(stage: int, world: int, fp32: bool, masters: Residency, params: Residency,
-              accelerator: bool, quantized_weights: bool = False) -> StagePlan:
+              accelerator: bool, quantized_weights: bool = False, secondary_shards: bool = False) -> StagePlan:
     """The plan for ``stage`` on ``world`` ranks, computing in fp32 or not (``fp32``), with the
     masters and (ZeRO-3) parameter shard at the given residencies, on an accelerator or the CPU,
-    gathering parameters quantized (ZeRO++ qwZ) or not."""
+    gathering parameters quantized (ZeRO++ qwZ) or not, keeping hpZ's secondary shards or not."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
     # Memory "kinds": on the CPU the device is the host, so host-resident state shares its memory.
@@ -98,7 +98,8 @@ def make_plan(stage: int, world: int, fp32: bool, masters: Residency, params: Re
         stage=stage, world=world, layout_world=world if stage >= 1 else 1, masters=masters, params=params,
         masters_alias_params=alias, masters_swapped=swapped, compute_copy=swapped and stage < 3,
         param_shard_aliases_masters=shard_alias,
-        # A quantized gather's values are no copy of the row: nothing to lend.
+        # A quantized gather's values are no copy of the row: nothing to lend. hpZ gathers again
+        # from secondary shards, not from the row: lending is kept to the plain path.
         lends_rows=(stage == 3 and fp32 and not accelerator and masters is not Residency.FILE
-                    and params is not Residency.FILE and not quantized_weights),
+                    and params is not Residency.FILE and not quantized_weights and not secondary_shards),
         reduction=reduction)

@@ -77,6 +77,8 @@ class StageSpec:
     quantized_weights: bool = False
     #: ZeRO++ qgZ (stages 2-3): gradients reduced by quantized all-to-alls, node by node
     quantized_gradients: bool = False
+    #: ZeRO++ hpZ (stage 3): ranks of the group a gathered unit keeps a secondary shard over (1: off)
+    hpz_partition_size: int = 1
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,8 @@ class Training:
     seq_len: int = 2048
     attention: str = "sdpa"
     activation_bytes: int | None = None
+    #: ZeRO++ hpZ's ``zero_hpz_partition_size`` (stage 3 rows count its secondary shards)
+    hpz_partition_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -142,7 +144,8 @@ def zeroshard_row(spec: ModelSpec, hardware: Hardware, training: Training, stage
     _, act, act_ckpt = _activations(spec, training)
     buckets = buckets or Buckets()
     offload = offload or Offload()
-    states = model_states(spec, stage, hardware.world, training.dtype, training.grad_accum_dtype, buckets)
+    states = model_states(spec, stage, hardware.world, training.dtype, training.grad_accum_dtype, buckets,
+                          hpz_partition_size=training.hpz_partition_size)
     place = placement(spec, stage, hardware.world, training.dtype, training.grad_accum_dtype, offload,
                       buckets=buckets)
     # CPU: each process builds its model on the CPU (fp32) before initialize moves it; at ZeRO-3
@@ -211,6 +214,8 @@ def ds_config(row: Row, training: Training, lr: float = 1e-4, nvme_path: str | N
         zero["overlap_comm"] = True
     zero.update((row.buckets or Buckets()).config(row.stage))
     zero.update(row.choice.config(nvme_path, largest_unit))
+    if row.stage == 3 and training.hpz_partition_size > 1:
+        zero["zero_hpz_partition_size"] = training.hpz_partition_size
     cfg["zero_optimization"] = zero
     return cfg
 

@@ -66,6 +66,8 @@ class StateEstimate:
     workspace: int
     gathered: int
     notes: list[str] = field(default_factory=list)
+    #: ZeRO++ hpZ's secondary shards over a pass (``zero_hpz_partition_size`` > 1)
+    secondary: int = 0
 
     @property
     def total(self) -> int:
@@ -74,8 +76,8 @@ class StateEstimate:
 
     @property
     def buffers(self) -> int:
-        """Communication workspace plus ZeRO-3 gathered parameters."""
-        return self.workspace + self.gathered
+        """Communication workspace plus ZeRO-3 gathered parameters (and hpZ's secondary shards)."""
+        return self.workspace + self.gathered + self.secondary
 
 
 def _padded(numels: tuple[int, ...] | None, total: int, world: int) -> int:
@@ -114,7 +116,7 @@ def _largest_run(sizes: list[int] | None, total: int, limit: int) -> tuple[int, 
 
 def model_states(spec: ModelSpec, stage: int, world: int, dtype: str = "bf16", grad_accum_dtype: str = "fp32",
                  buckets: Buckets | None = None,
-                 persistence_threshold: int = PERSISTENCE_THRESHOLD) -> StateEstimate:
+                 persistence_threshold: int = PERSISTENCE_THRESHOLD, hpz_partition_size: int = 1) -> StateEstimate:
     """zeroshard's bytes per rank for ``spec`` trained with Adam at ``stage`` on ``world`` ranks.
 
     Args:
@@ -125,6 +127,9 @@ def model_states(spec: ModelSpec, stage: int, world: int, dtype: str = "bf16", g
         grad_accum_dtype: ``data_types.grad_accum_dtype`` (zeroshard's default ``"fp32"``).
         buckets: bucket sizes and ZeRO-3 budgets (DeepSpeed's defaults when ``None``).
         persistence_threshold: ``stage3_param_persistence_threshold``.
+        hpz_partition_size: ZeRO++ hpZ's ``zero_hpz_partition_size``: at stage 3 each rank keeps
+            ``1/h`` of every gathered unit that is not persistent, from its forward to the end of
+            its backward (:mod:`zeroshard.core.zero3.secondary`).
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0-3, got {stage}")
@@ -155,9 +160,13 @@ def model_states(spec: ModelSpec, stage: int, world: int, dtype: str = "bf16", g
         # Gathered in place: the buffers are the outputs, this rank's row packed into them.
         largest, count = _largest_run(padded, psi, buffer_numel(buckets.allgather_bucket_size))
         workspace += min(COMM_BUFFERS, count) * largest * c
-    gathered = 0
+    gathered = secondary = 0
     if stage == 3:
         gatherable = sum(u for u in spec.units if u > persistence_threshold) if spec.units else psi
         biggest = max(spec.units) if spec.units else spec.largest_layer_params
         gathered = c * min(gatherable, buckets.max_live_parameters + buckets.prefetch_bucket_size + biggest)
-    return StateEstimate(breakdown=out, workspace=workspace, gathered=gathered)
+        if hpz_partition_size > 1:  # 1/h of each released unit's padded rows
+            rows = ([r * world for r, u in zip(unit_rows(spec, world), spec.units) if u > persistence_threshold]
+                    if spec.units else [gatherable])
+            secondary = c * sum(rows) // hpz_partition_size
+    return StateEstimate(breakdown=out, workspace=workspace, gathered=gathered, secondary=secondary)

@@ -138,7 +138,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | N
         out.copy_(inp)
         return None
     work: dist.Work | None = _logged("reduce_scatter_tensor", _nbytes(inp), inp.device,
-                                     lambda: _reduce_scatter_flat(out, inp, group=group, async_op=async_op))
+                                     lambda: _reduce_scatter_flat(out, inp, group=group, async_op=async_op), group)
     return work
 
 
@@ -285,7 +285,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None,
         ringed: dist.Work | None = _logged("all_gather_into_tensor", _nbytes(out), out.device, ring, group)
         return ringed
     work: dist.Work | None = _logged("all_gather_into_tensor", _nbytes(out), out.device,
-                                     lambda: _all_gather_flat(out, inp, group=group, async_op=async_op))
+                                     lambda: _all_gather_flat(out, inp, group=group, async_op=async_op), group)
     return work
 
 
@@ -296,7 +296,7 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, async_op: bool 
     if world_size(group) == 1:
         return None
     work: dist.Work | None = _logged("all_reduce", _nbytes(tensor), tensor.device,
-                                     lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
+                                     lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), group)
     return work
 
 

@@ -26,7 +26,9 @@ import torch.distributed as dist
 
 from zeroshard.errors import ConfigError
 
-__all__ = ["INSIDE", "ACROSS", "WORLD", "Topology", "flat_topology", "level_of", "make_topology"]
+__all__ = ["INSIDE", "ACROSS", "WORLD", "Topology", "flat_topology", "level_of", "make_hpz_group", "make_topology"]
+
+_HPZ_KEY = "zero_optimization.zero_hpz_partition_size"
 
 #: levels a collective's group spans (what the communication logger reports)
 INSIDE = "inside nodes"
@@ -91,6 +93,31 @@ def make_topology(group: dist.ProcessGroup | None, device: torch.device) -> Topo
     _LEVELS[intra], _LEVELS[inter] = INSIDE, ACROSS
     return Topology(nodes=nodes, local=local, intra=intra if local > 1 else None,
                     inter=inter if nodes > 1 else None)
+
+
+def make_hpz_group(group: dist.ProcessGroup | None, device: torch.device, size: int) -> dist.ProcessGroup:
+    """ZeRO++ hpZ's group of this rank: ``size`` consecutive ranks, inside one node.
+
+    Raises:
+        ConfigError: naming ``zero_hpz_partition_size`` and the numbers, when ``size`` does not divide
+            the ranks of a node (``LOCAL_WORLD_SIZE``, the whole world without it), or the
+            data-parallel group is not the whole world.
+    """
+    world = _size(group)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if group is not None and world != dist.get_world_size():
+        raise ConfigError(f"zero_hpz_partition_size {size} needs the data-parallel group to be the whole world "
+                          f"({dist.get_world_size()} ranks), not a group of {world}", key=_HPZ_KEY)
+    if size > local or local % size or world % size:
+        raise ConfigError(f"zero_hpz_partition_size {size} does not divide the {local} ranks of a node (world size "
+                          f"{world}): hpZ's secondary shards live inside a node; use a divisor of {local}",
+                          key=_HPZ_KEY)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (world // size, size), mesh_dim_names=("hpz_replica", "hpz"))
+    hpz = mesh.get_group("hpz")
+    _LEVELS[hpz] = INSIDE
+    return hpz
 
 
 def _size(group: dist.ProcessGroup | None) -> int:

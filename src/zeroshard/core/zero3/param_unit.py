@@ -42,6 +42,7 @@ from zeroshard.core.comm import collectives as C
 from zeroshard.core.comm.quantized import QuantizedGather, quantized_all_gather
 from zeroshard.core.partition import INIT_CHUNK_ATTR, Bucket, full_shape, gather_from_rows, set_full_shape
 from zeroshard.core.seam import NO_OBSERVER, ParamObserver, set_unit
+from zeroshard.core.zero3.secondary import SecondaryShards
 from zeroshard.errors import ZeroshardError
 
 if TYPE_CHECKING:
@@ -79,7 +80,8 @@ class ParamUnit:
     def __init__(self, bucket: Bucket, shard: torch.Tensor | None, group: dist.ProcessGroup | None,
                  persistent: bool, name: str, device: torch.device | None = None, swap: ParamSwapFile | None = None,
                  dtype: torch.dtype | None = None, *, frozen: bool = False, lender: RowLender | None = None,
-                 observer: ParamObserver = NO_OBSERVER, quantize_block: int | None = None) -> None:
+                 observer: ParamObserver = NO_OBSERVER, quantize_block: int | None = None,
+                 secondaries: SecondaryShards | None = None) -> None:
         self.bucket = bucket
         #: ``[bucket.numel]`` view into the flat shard buffer: the compute-dtype shard (on the device,
         #: or in host memory with parameter offload), or the fp32 masters themselves (cast when
@@ -123,6 +125,10 @@ class ParamUnit:
         self.lender = lender
         #: ZeRO++ qwZ: the all-gather carries int8 blocks of this many elements and their scales
         self.quantize_block = quantize_block
+        #: ZeRO++ hpZ: the group whose secondary shards a gather in the same pass comes from
+        self.secondaries = secondaries
+        #: this rank's secondary shard (:mod:`~zeroshard.core.zero3.secondary`), while valid
+        self._secondary: torch.Tensor | None = None
 
     @property
     def state(self) -> UnitState:
@@ -166,7 +172,11 @@ class ParamUnit:
         """Start the all-gather (no-op unless ``SHARDED``)."""
         if self.state is not UnitState.SHARDED:
             return
-        if self.swap is not None:  # the all-gather starts once the read has landed (wait_gather)
+        if self._secondary is not None and self.secondaries is not None:  # inside the hpZ group only
+            out = self._gather_output(self.world * self.bucket.numel)
+            self._pending = (out, C.all_gather(out, self._secondary.view(-1), self.secondaries.group,
+                                               what=self.gather_what))
+        elif self.swap is not None:  # the all-gather starts once the read has landed (wait_gather)
             self._read = self.swap.read(self.bucket.index)
         else:
             # A collective that fails to start (a rank missing, a block other ranks skip) leaves
@@ -182,19 +192,28 @@ class ParamUnit:
             # Parameter offload (host memory to the device), or the fp32 masters cast on the way.
             # A pooled swap buffer goes back to the pool (and is refilled) right after: copy blocking.
             shard = shard.to(self.device, dtype, non_blocking=not pooled)
-        numel = self.world * self.bucket.numel
-        if self.direct:
-            out = self._direct_landing(numel)
-        elif host_memory.mappable(self.device, numel * self.dtype.itemsize):
-            if self._out_map is None:
-                self._out_map = host_memory.MappedBuffer(numel * self.dtype.itemsize)
-            out = self._out_map.tensor(self.dtype)
-        else:
-            out = torch.empty(numel, dtype=self.dtype, device=self.device)
+        out = self._gather_output(self.world * self.bucket.numel)
         if self.quantize_block is not None:
             self._pending = (out, quantized_all_gather(out, shard, self.group, self.quantize_block))
         else:
             self._pending = (out, C.all_gather(out, shard, self.group, what=self.gather_what))
+
+    def _gather_output(self, numel: int) -> torch.Tensor:
+        """Where an all-gather of the unit lands: the full tensor itself (a direct unit), a
+        mapping of its own (a large unit on CPU), or a new tensor."""
+        if self.direct:
+            return self._direct_landing(numel)
+        if host_memory.mappable(self.device, numel * self.dtype.itemsize):
+            if self._out_map is None:
+                self._out_map = host_memory.MappedBuffer(numel * self.dtype.itemsize)
+            return self._out_map.tensor(self.dtype)
+        return torch.empty(numel, dtype=self.dtype, device=self.device)
+
+    def drop_secondary(self) -> None:
+        """Let go of the hpZ secondary shard (the pass ended, or the values are about to change)."""
+        if self._secondary is not None and self.secondaries is not None:
+            self.secondaries.dropped(self._secondary)
+        self._secondary = None
 
     @property
     def in_flight(self) -> bool:
@@ -252,6 +271,9 @@ class ParamUnit:
         if work is not None:
             work.wait()
         rows = out.view(self.world, self.bucket.numel)
+        if (self.secondaries is not None and self._secondary is None and not self.persistent
+                and torch.is_grad_enabled()):  # a forward for training: its backward may gather again
+            self._secondary = self.secondaries.keep(rows)
         fulls, self._freed = self._freed if self._freed is not None else self._new_full_tensors(), None
         for p, full, layout, off in zip(self.params, fulls, self.bucket.layouts, self.bucket.offsets):
             if not self.direct:  # a direct unit's gather landed in place
@@ -322,6 +344,7 @@ class ParamUnit:
     def write_back(self, rank: int, master_views: list[torch.Tensor] | None) -> None:
         """Copy the gathered values' local chunk into the shard (and fp32 masters, if given)."""
         assert self.state is UnitState.GATHERED
+        self.drop_secondary()
         self.reclaim()
         shard = self._read_row() if self.swap is not None else self.shard
         assert shard is not None
@@ -336,6 +359,7 @@ class ParamUnit:
 
     def write_shard(self, off: int, values: torch.Tensor) -> None:
         """Overwrite elements ``[off, off + len(values))`` of this rank's chunk of the unit."""
+        self.drop_secondary()
         if self.swap is None:
             assert self.shard is not None
             self.reclaim()

@@ -45,6 +45,7 @@ from zeroshard.core.zero3.frozen import FrozenShard
 from zeroshard.core.zero3.lent_rows import RowLender
 from zeroshard.core.zero3.param_unit import ParamUnit
 from zeroshard.core.zero3.parameter_offload import ParameterOffload
+from zeroshard.core.zero3.secondary import SecondaryShards
 from zeroshard.core.zero_optimizer import StageParts, StageSpec, ZeroOptimizer, in_memory_bytes
 
 logger = logging.getLogger("zeroshard")
@@ -65,6 +66,8 @@ class Zero3Parts:
     coordinator: ParamCoordinator
     #: counts each unit's gradients in a backward (the gradient sync reports each parameter to it)
     grads: UnitGradCounter
+    #: ZeRO++ hpZ: the group of each unit's secondary shard (``None`` without hpZ)
+    secondaries: SecondaryShards | None = None
 
 
 class UnitGradCounter:
@@ -107,6 +110,8 @@ class Stage3Optimizer(ZeroOptimizer):
         self.lender = zero3.lender
         self.coordinator: ParamCoordinator = zero3.coordinator
         self._grads = zero3.grads
+        #: ZeRO++ hpZ's group and the bytes its secondary shards hold (``None`` without hpZ)
+        self.secondaries = zero3.secondaries
         #: DeepSpeed's name for the owner of the module hooks (TRL removes and re-adds them)
         self.parameter_offload = ParameterOffload(self.coordinator, module)
 
@@ -133,7 +138,13 @@ class Stage3Optimizer(ZeroOptimizer):
         """Complete the gradient collectives, then release every non-persistent unit."""
         self.sync.finish_backward()
         self.coordinator.end_of_pass()
+        self._drop_secondaries()
         host_memory.trim(self.device, site="step")
+
+    def _drop_secondaries(self) -> None:
+        """hpZ's secondary shards serve one pass: the step changes what they copy."""
+        for u in self.units:
+            u.drop_secondary()
 
     def _begin_publish(self) -> None:
         """Nothing to gather: the store publishes each stepped sub-group into the parameter shard."""
@@ -141,6 +152,7 @@ class Stage3Optimizer(ZeroOptimizer):
 
     def publish(self) -> None:
         """Refresh the 16-bit shard from the masters and drop stale gathered copies."""
+        self._drop_secondaries()
         self.store.refresh()  # a no-op right after a step: it published each sub-group as it went
         self.shard.flush()  # parameter swap-file writes in flight end here, their errors with them
         with torch.no_grad():
@@ -181,6 +193,8 @@ class Stage3Optimizer(ZeroOptimizer):
         if self.frozen is not None:
             out["frozen_parameter_shard"] = in_memory_bytes(self.frozen.bytes_held())
         out["gathered_peak"] = self.coordinator.peak_gathered_numel * self.policy.param_dtype.itemsize
+        if self.secondaries is not None:  # hpZ: the secondary shards' peak over a pass
+            out["secondary_shard_peak"] = self.secondaries.peak_bytes
         return out
 
     def detach(self) -> None:

@@ -272,8 +272,8 @@ class ConfigAccessors:
         return False
 
     def zero_hpz_partition_size(self) -> int:
-        """Always 1 (no hierarchical partitioning)."""
-        return 1
+        """``zero_optimization.zero_hpz_partition_size`` (ZeRO++ hpZ; 1: off)."""
+        return max(1, int(self.config.zero_optimization.zero_hpz_partition_size))
 
     def zero_quantized_weights(self) -> bool:
         """``zero_optimization.zero_quantized_weights`` (ZeRO++ qwZ)."""
