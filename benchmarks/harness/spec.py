@@ -37,18 +37,24 @@ equal-memory comparison)."""
 
 @dataclass(frozen=True)
 class ModelSize:
-    """A GPT shape (see ``examples/gpt.py``); byte-level vocabulary, untied embeddings."""
+    """A GPT shape (see ``examples/gpt.py``); byte-level vocabulary, untied embeddings, as many
+    positions as the sequence length, unless the size says otherwise."""
 
     name: str
     n_layer: int
     n_embd: int
     n_head: int
     vocab_size: int = 256
+    tie_weights: bool = False
+    positions: int = 0
+    """Position embeddings; 0: the workload's ``seq_len``."""
 
 
 SIZES: dict[str, ModelSize] = {
     "25m": ModelSize("25m", n_layer=8, n_embd=512, n_head=8),
     "120m": ModelSize("120m", n_layer=12, n_embd=896, n_head=14),
+    # GPT-2 small's shape (124,439,808 parameters): its vocabulary, tied embeddings, 1,024 positions.
+    "124m": ModelSize("124m", n_layer=12, n_embd=768, n_head=12, vocab_size=50257, tie_weights=True, positions=1024),
     # For ``--device cuda``: large enough that a step is not launch-bound on an H100/H200.
     "300m": ModelSize("300m", n_layer=24, n_embd=1024, n_head=16),
     "1b": ModelSize("1b", n_layer=24, n_embd=2048, n_head=16),

@@ -35,8 +35,9 @@ def build_model(job: Job, device: torch.device) -> torch.nn.Module:
     from gpt import GPT, GPTConfig  # examples/gpt.py
 
     size = SIZES[job.size]
-    cfg = GPTConfig(vocab_size=size.vocab_size, block_size=job.workload.seq_len, n_layer=size.n_layer,
-                    n_head=size.n_head, n_embd=size.n_embd, dropout=0.0, bias=True)
+    cfg = GPTConfig(vocab_size=size.vocab_size, block_size=size.positions or job.workload.seq_len,
+                    n_layer=size.n_layer, n_head=size.n_head, n_embd=size.n_embd, dropout=0.0, bias=True,
+                    tie_weights=size.tie_weights)
     torch.manual_seed(job.workload.seed)
     with device:
         return GPT(cfg)

@@ -2,13 +2,16 @@
 
     python benchmarks/studies/offload.py                         # GPT 25M, 2 gloo ranks, fp32: about 6-10 minutes
     python benchmarks/studies/offload.py --systems zeroshard --steps 3 --out /tmp/offload.md
+    python benchmarks/studies/offload.py --model 124m --sub-group 0 --variants 2,2+nvme --out /tmp/defaults.md
 
-Every (system, variant) trains the benchmark's GPT (``benchmarks/harness/workload.py``, the 25M model of
-``run.py``) from the same seed on the same batches, in fresh spawned processes (so each peak RSS is
-its own). Variants: in-memory stage 2 and 3; optimizer offload to CPU at stage 2 and 3 (+ parameters
-to CPU at stage 3); optimizer offload to NVMe at stage 2 and 3 (+ parameters to NVMe at stage 3),
-with ``sub_group_size`` ``--sub-group`` (2e6 by default: several sub-groups per rank) for both
-systems. zeroshard and DeepSpeed 0.19.8 get the same DeepSpeed-schema config, except that
+Every (system, variant) trains the benchmark's GPT (``benchmarks/harness/workload.py``; ``--model``
+picks its size from ``benchmarks/harness/spec.py``: the 25M model of ``run.py`` by default, ``124m``
+GPT-2 small's shape) from the same seed on the same batches, in fresh spawned processes (so each
+peak RSS is its own). Variants: in-memory stage 2 and 3; optimizer offload to CPU at stage 2 and 3
+(+ parameters to CPU at stage 3); optimizer offload to NVMe at stage 2 and 3 (+ parameters to NVMe
+at stage 3), with ``sub_group_size`` ``--sub-group`` (2e6 by default: several sub-groups per rank;
+0 leaves it unset, as a DeepSpeed-default config does: zeroshard then chooses it from the shard,
+DeepSpeed uses 1e9) for both systems. zeroshard and DeepSpeed 0.19.8 get the same DeepSpeed-schema config, except that
 DeepSpeed's offload variants use its own CPU optimizer (``DeepSpeedCPUAdam``, what its offload
 runs by default; in memory both use torch's fused AdamW, as in ``run.py``).
 
@@ -83,7 +86,7 @@ def config(system: str, v: Variant, job: Any, nvme: Path, sub_group: int) -> dic
                 cfg["optimizer"]["params"].pop(k)
     if v.params != "none":
         z["offload_param"] = {"device": v.params, "nvme_path": str(nvme)}
-    if "nvme" in (v.optimizer, v.params):
+    if "nvme" in (v.optimizer, v.params) and sub_group > 0:  # 0: unset, each system's default
         z["sub_group_size"] = sub_group
     return cfg
 
@@ -108,6 +111,16 @@ def _engine_io(engine: Any) -> tuple[int, int, float] | None:
             sum(getattr(e, "busy_seconds", 0.0) for e in engines))  # 0: an older zeroshard (A/B runs)
 
 
+def _store_layout(engine: Any) -> tuple[int, int, int] | None:
+    """zeroshard's NVMe optimizer store on this rank: (sub-groups, elements of the largest, sub-group
+    buffers it keeps in host memory)."""
+    store = getattr(getattr(engine, "optimizer", None), "store", None)
+    subgroups, slots = getattr(store, "subgroups", None), getattr(store, "slots", None)
+    if not subgroups or slots is None:
+        return None
+    return len(subgroups), max(sg.numel for sg in subgroups), len(slots)
+
+
 def _peak_rss() -> int:
     """This process's peak resident bytes (``VmHWM``: unlike ``ru_maxrss``, not inherited from the
     process that spawned it, across ``exec``)."""
@@ -130,16 +143,16 @@ def worker(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     """One rank of one (system, variant) run; rank 0's dict comes back to the parent."""
     import torch.distributed as dist
 
-    from benchmarks.harness.spec import Job, Workload
+    from benchmarks.harness.spec import SIZES, Job, Workload
     from benchmarks.harness.systems.engine_loop import EngineLoop
     from benchmarks.harness.workload import batches, build_model
 
     v = Variant(**spec["variant"])
-    job = Job(spec["system"], v.stage, "25m", world_size=world,
+    job = Job(spec["system"], v.stage, spec["model"], world_size=world,
               workload=Workload(micro_batch=spec["micro_batch"], seq_len=spec["seq_len"],
                                 warmup_steps=spec["warmup"], measure_steps=spec["steps"]))
     lib: Any = __import__(spec["system"])
-    data = batches(job, rank, spec["warmup"] + spec["steps"], 256)
+    data = batches(job, rank, spec["warmup"] + spec["steps"], SIZES[spec["model"]].vocab_size)
     model = build_model(job, torch.device("cpu"))
     cfg = config(spec["system"], v, job, Path(spec["nvme"]), spec["sub_group"])
     try:
@@ -173,6 +186,7 @@ def worker(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     everyone = [torch.zeros_like(counters) for _ in range(world)]
     dist.all_gather(everyone, counters)
     disk = _disk_bytes(Path(spec["nvme"]))
+    layout = _store_layout(engine)
     full = _full_params(lib, engine.module)
     if spec["system"] == "zeroshard":
         engine.destroy()  # removes its swap files (DeepSpeed's are removed by the parent)
@@ -185,7 +199,7 @@ def worker(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         "engine_io": [r[:2] for r in per_rank] if per_rank[0][0] >= 0 else None,
         "io_busy_s": max(r[2] for r in per_rank) if per_rank[0][0] >= 0 else None,
         "proc_io": [r[3:5] for r in per_rank], "peak_rss": [r[5] for r in per_rank], "disk_bytes": disk,
-        "numel": int(full.numel()), "params": full if rank == 0 else None,
+        "numel": int(full.numel()), "params": full if rank == 0 else None, "store_layout": layout,
     }
 
 
@@ -208,7 +222,8 @@ def run_one(system: str, v: Variant, args: argparse.Namespace) -> dict[str, Any]
     shutil.rmtree(nvme, ignore_errors=True)
     nvme.mkdir(parents=True)
     spec = {"system": system, "variant": vars(v), "warmup": args.warmup, "steps": args.steps, "nvme": str(nvme),
-            "sub_group": args.sub_group, "micro_batch": args.micro_batch, "seq_len": args.seq_len}
+            "sub_group": args.sub_group, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
+            "model": args.model}
     t = time.monotonic()
     try:
         r = run_on_ranks(worker, args.world_size, spec)
@@ -289,6 +304,11 @@ def markdown(runs: dict[tuple[str, Variant], dict[str, Any]], args: argparse.Nam
     git = describe()["zeroshard_git"]
 
     rb, wb = (statistics.mean(b[i] for b in bandwidth) for i in (0, 1))
+    numel = next((r["numel"] for r in runs.values() if r["status"] == "ok"), 0)
+    sub_group = (f"`sub_group_size` {args.sub_group:.0e} for both systems (about "
+                 f"{-(-numel // args.world_size // args.sub_group)} sub-groups per rank)" if args.sub_group > 0 else
+                 "`sub_group_size` unset for both systems (zeroshard chooses it from the shard, "
+                 "`policy.resolve_sub_group_size`; DeepSpeed uses its default 1e9)")
     lines = [
         "# Offload: zeroshard vs DeepSpeed (CPU and NVMe)", "",
         f"- Command: `{args.command}`",
@@ -296,13 +316,13 @@ def markdown(runs: dict[tuple[str, Variant], dict[str, Any]], args: argparse.Nam
         f"zeroshard {getattr(zeroshard, '__version__', '?')} (git {git}); {os.cpu_count()} CPU cores",
         f"- Load average (1 min) at start / end: {loads[0]:.2f} / {loads[1]:.2f}"
         + (" — **taken under contention** (other jobs shared the 2 cores)" if max(loads) > 1.5 else ""),
-        f"- Workload: GPT 25M (benchmarks/harness/spec.py `25m`), {args.world_size} gloo ranks, fp32, micro batch "
+        f"- Workload: GPT {numel // 1_000_000}M (benchmarks/harness/spec.py `{args.model}`), {args.world_size} gloo "
+        f"ranks, fp32, micro batch "
         f"{args.micro_batch} × {args.seq_len} tokens, AdamW, clipping 1.0; {args.warmup} warm-up + {args.steps} "
         "measured steps, median step (slowest rank, between barriers)"
         + (f"; every run {args.repeat} times in fresh processes, in alternating order, steps pooled"
            if args.repeat > 1 else ""),
-        f"- NVMe variants: `sub_group_size` {args.sub_group:.0e} for both systems (about "
-        f"{-(-25_000_000 // args.world_size // args.sub_group)} sub-groups per rank); aio defaults (1 MiB blocks, "
+        f"- NVMe variants: {sub_group}; aio defaults (1 MiB blocks, "
         f"queue depth 8, 1 thread); swap files under `{args.nvme_path}`",
         f"- Disk bandwidth on that directory (`disk_bandwidth.measure`, 1 thread, 1 MiB blocks, O_DIRECT, "
         f"{args.bw_gib:g} GiB), before / after the runs: read {bandwidth[0][0]:.2f} / {bandwidth[-1][0]:.2f} GiB/s, "
@@ -348,6 +368,15 @@ def markdown(runs: dict[tuple[str, Variant], dict[str, Any]], args: argparse.Nam
     for (system, v), r in runs.items():
         if r["status"] != "ok":
             lines.append(f"- {system} {v.name}: **{r['status']}**: {r.get('reason', '')}")
+    lines += ["", "Peak RSS of each rank (MiB), and zeroshard's NVMe optimizer store on rank 0: sub-groups, "
+              "elements of the largest, sub-group buffers held in host memory.", "",
+              "| system | stage + offload | peak RSS per rank (MiB) | sub-groups | largest | buffers |",
+              "|---|---|---|---:|---:|---:|"]
+    for (system, v), r in runs.items():
+        if r["status"] == "ok":
+            sg = r.get("store_layout")
+            cells = f"{sg[0]} | {sg[1]:,} | {sg[2]}" if sg else "– | – | –"
+            lines.append(f"| {system} | {v.name} | {' / '.join(f'{x / MiB:,.0f}' for x in r['peak_rss'])} | {cells} |")
     lines += ["", "## Ratios against the issue's targets", "",
               "Step-time ratios; beside them the same ratio in CPU seconds per step (rank 0), which the other "
               "jobs on the machine distort less (the runs are minutes apart, under different loads).", "",
@@ -440,6 +469,7 @@ def run_all(args: argparse.Namespace, order: list[tuple[Variant, str]]) -> dict[
 
 def main(argv: list[str] | None = None) -> int:
     """Measure the disk, run every (variant, system), write the report."""
+    from benchmarks.harness.spec import SIZES
     from benchmarks.studies.disk_bandwidth import measure
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -451,7 +481,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--seq-len", type=int, default=64,
                    help="tokens per sequence (small values make the step I/O-bound, as on a GPU)")
-    p.add_argument("--sub-group", type=int, default=2_000_000, help="sub_group_size of the NVMe variants")
+    p.add_argument("--model", choices=sorted(SIZES), default="25m",
+                   help="the GPT size (benchmarks/harness/spec.py; 124m: GPT-2 small's shape)")
+    p.add_argument("--sub-group", type=int, default=2_000_000,
+                   help="sub_group_size of the NVMe variants; 0 leaves it unset (each system's default)")
     p.add_argument("--nvme-path", type=Path, default=Path("/tmp/zeroshard-offload-bench"))
     p.add_argument("--bw-gib", type=float, default=1.0, help="GiB written and read to measure the disk")
     p.add_argument("--repeat", type=int, default=1,
