@@ -28,6 +28,7 @@ from zeroshard.core.clock import StepClock
 from zeroshard.core.comm import collectives as C
 from zeroshard.core.comm import watchdog
 from zeroshard.core.comm.groups import init_distributed, local_rank
+from zeroshard.core.comm.topology import make_hybrid_groups
 from zeroshard.core.device import default_device
 from zeroshard.core.offload import OffloadPolicy
 from zeroshard.core.partition import full_numel
@@ -148,7 +149,8 @@ def initialize(
     model.to(device)
     # Built under zero.Init but trained unsharded: whole, on the training device (model.to above
     # moved only placeholders; with remote_device the chunks are in host memory).
-    if cfg.zero_stage < 3:
+    hybrid = _hybrid_shard_size(cfg, group)
+    if cfg.zero_stage < 3 or hybrid:  # hybrid: zero.Init's chunks are the world's, the shards a group's
         materialize_init_params(model, group, device)
     _sync_module_states(model, group)
 
@@ -193,9 +195,10 @@ def initialize(
     scaler = make_loss_scaler(cfg.fp16)
     offload = OffloadPolicy.from_config(cfg)
     clock = StepClock()
-    zero_opt = build_stage(model, param_groups, spec, policy, scaler, group, device, offload,
+    stage_group, replicate = make_hybrid_groups(device, hybrid) if hybrid else (group, None)
+    zero_opt = build_stage(model, param_groups, spec, policy, scaler, stage_group, device, offload,
                            scaling=_reduce_scaling(cfg, C.world_size(group)), trains=trains, clock=clock,
-                           observer=DEEPSPEED_PARAM_ATTRS, kinds=DEEPSPEED_STAGES)
+                           observer=DEEPSPEED_PARAM_ATTRS, kinds=DEEPSPEED_STAGES, replicate=replicate)
     try:  # a failure from here on (a bad optimizer or scheduler, auto_resume) must not leave swap files behind
         if spec.stage == 3:
             add_external_parameters_accessor(model)  # DeepSpeed's module.ds_external_parameters()
@@ -224,6 +227,23 @@ def initialize(
     logger.info("zeroshard: ZeRO stage %d, %s, world size %d, %d trainable parameters, initialized in %.1f s",
                 spec.stage, policy.param_dtype, engine.world_size, n_trained, time.perf_counter() - started)
     return engine, zero_opt, loader, scheduler
+
+
+def _hybrid_shard_size(cfg: ZeroshardConfig, group: dist.ProcessGroup | None) -> int:
+    """``hybrid_shard_size`` when it splits the world into several groups, else 0 (sharding over all).
+
+    Raises:
+        ConfigError: the data-parallel group is not the whole world (the groups are the world's).
+    """
+    size = int(cfg.zero_optimization.hybrid_shard_size)
+    world = C.world_size(group)
+    if not size or size == world:
+        return 0
+    if group is not None and world != dist.get_world_size():
+        raise ConfigError(f"hybrid_shard_size {size} needs the data-parallel group to be the whole world "
+                          f"({dist.get_world_size()} ranks), not a group of {world}",
+                          key="zero_optimization.hybrid_shard_size")
+    return size
 
 
 def _reduce_scaling(cfg: ZeroshardConfig, world: int) -> tuple[float, float] | None:

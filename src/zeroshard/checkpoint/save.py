@@ -190,8 +190,14 @@ def save_checkpoint(engine: Any, save_dir: str | Path, tag: str | None = None, c
     fault_point("begin", rank)
     try:
         def write() -> int:
-            size = _write_rank_file(tmp / rank_file(rank, world), trained, frozen, kinds, engine.optimizer.store,
-                                    rank, world)
+            # Hybrid sharding: the pieces of a sharded parameter are named by the rank in its group,
+            # which is the global rank in the first group (consecutive ranks); the other groups hold
+            # copies and write only what every rank writes (RNG, parameters split over the world).
+            mine = engine.optimizer.replica == 0
+            size = _write_rank_file(tmp / rank_file(rank, world),
+                                    [tp for tp in trained if mine or tp.layout_world == 1],
+                                    [fp for fp in frozen if mine or fp.layout_world == 1], kinds,
+                                    engine.optimizer.store, rank, world)
             if rank == 0:
                 assert meta is not None
                 with C.on_ranks([0], "writing the checkpoint's extra file, which runs on rank 0 only", group):

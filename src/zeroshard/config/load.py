@@ -123,6 +123,13 @@ def _check_consistency(cfg: ZeroshardConfig) -> None:
         raise ConfigError(f"zero_hpz_partition_size {zero.zero_hpz_partition_size} (ZeRO++ hpZ) keeps secondary "
                           f"shards of ZeRO-3's gathered parameters: it needs stage 3, not stage {zero.stage}",
                           key="zero_optimization.zero_hpz_partition_size")
+    if zero.hybrid_shard_size and zero.stage == 0:
+        raise ConfigError(f"hybrid_shard_size {zero.hybrid_shard_size} shards the training state inside groups of "
+                          "ranks: it needs ZeRO stage 1, 2 or 3 (stage 0 replicates everything)",
+                          key="zero_optimization.hybrid_shard_size")
+    if zero.hybrid_shard_size and zero.zero_hpz_partition_size > 1:
+        raise ConfigError("hybrid_shard_size and zero_hpz_partition_size together are not supported yet: "
+                          "choose one", key="zero_optimization.hybrid_shard_size")
     if zero.zero_quantized_gradients and zero.stage < 2:
         raise ConfigError(f"zero_quantized_gradients (ZeRO++ qgZ) quantizes the gradient reduce-scatter of "
                           f"stages 2-3, not stage {zero.stage}", key="zero_optimization.zero_quantized_gradients")

@@ -61,6 +61,7 @@ CONSUMERS: dict[str, str] = {
     _Z + "zero_quantized_weights": "initialize.py",
     _Z + "zero_quantized_gradients": "initialize.py",
     _Z + "zero_hpz_partition_size": "initialize.py",
+    _Z + "hybrid_shard_size": "initialize.py",
     "aio.block_size": "core/offload/policy.py",
     "aio.queue_depth": "core/offload/policy.py",
     "aio.intra_op_parallelism": "core/offload/policy.py",

@@ -184,6 +184,13 @@ class ZeroConfig(ConfigModel):
     this many consecutive ranks of its node, and the backward gathers from inside the node only.
     0 and 1 turn it off (DeepSpeed's default 1)."""
 
+    hybrid_shard_size: Int = Field(default=0, ge=0)
+    """zeroshard's hybrid sharding (stages 1-3): the training state is sharded inside groups of
+    this many consecutive ranks and replicated across the groups, gradients reduce-scattered inside
+    a group and all-reduced across (FSDP2's HSDP: ``fully_shard`` on a 2-D ``DeviceMesh`` of
+    replicate x shard; torchtitan's ``data_parallel_replicate_degree``). 0: shard over the whole
+    world. DeepSpeed 0.19.8 has no equivalent (it removed MiCS and refuses ``mics_shard_size``)."""
+
     ignore_unused_parameters: bool = True
     """Tolerate parameters that receive no gradient in a step instead of raising an error."""
 

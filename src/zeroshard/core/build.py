@@ -73,7 +73,7 @@ def build_stage(module: torch.nn.Module, param_groups: list[dict[str, Any]], spe
                 trains: bool = True, clock: StepClock | None = None,
                 observer: ParamObserver = NO_OBSERVER,
                 kinds: tuple[type[ZeroOptimizer], type[Stage3Optimizer]] = (ZeroOptimizer, Stage3Optimizer),
-                ) -> ZeroOptimizer:
+                replicate: dist.ProcessGroup | None = None) -> ZeroOptimizer:
     """The stage ``spec`` asks for, over the trained parameters of ``param_groups``.
 
     Args:
@@ -87,6 +87,8 @@ def build_stage(module: torch.nn.Module, param_groups: list[dict[str, Any]], spe
         observer: told of parameters partitioned and of unit state changes (stage 3).
         kinds: the classes built for stages 0-2 and for stage 3 (subclasses add names layers above
             the core want, as DeepSpeed's optimizer attributes: :mod:`zeroshard.deepspeed.optimizer`).
+        replicate: hybrid sharding: ``group`` is this rank's sharding group and ``replicate`` the
+            ranks holding the same shard in the other groups (gradients are all-reduced over them).
     """
     world = C.world_size(group)
     plan = plan_for(spec, policy, offload, device, world)
@@ -112,8 +114,9 @@ def build_stage(module: torch.nn.Module, param_groups: list[dict[str, Any]], spe
             store = make_state_store(master, offload, device, rank, publish=publish)
             undo.callback(store.close)
             sync = (MicroStepReduceScatterSync(buckets, *sync_args, acc_device=master_device, scaling=scaling,
-                                               quantized=quantized) if quantized is not None else
-                    _SYNC[plan.reduction](buckets, *sync_args, acc_device=master_device, scaling=scaling))
+                                               quantized=quantized, replicate=replicate) if quantized is not None else
+                    _SYNC[plan.reduction](buckets, *sync_args, acc_device=master_device, scaling=scaling,
+                                          replicate=replicate))
             undo.callback(sync.remove_hooks)
             stage = kinds[0](param_groups, spec, policy, scaler, group, device, offload,
                              StageParts(buckets, master, store, sync, plan))
@@ -132,7 +135,8 @@ def build_stage(module: torch.nn.Module, param_groups: list[dict[str, Any]], spe
             # every rank to run modules in the same order.
             sync = MicroStepReduceScatterSync(merge_buckets(buckets, buffer_numel(spec.reduce_bucket_size)),
                                               *sync_args, acc_device=master_device, scaling=scaling,
-                                              ordered=False, on_param_done=zero3.grads.param_done, quantized=quantized)
+                                              ordered=False, on_param_done=zero3.grads.param_done, quantized=quantized,
+                                              replicate=replicate)
             undo.callback(sync.remove_hooks)
             stage = kinds[1](module, param_groups, spec, policy, scaler, group, device, offload,
                              StageParts(buckets, master, store, sync, plan), zero3)

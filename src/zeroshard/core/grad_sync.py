@@ -65,7 +65,8 @@ class GradSync:
     def __init__(self, buckets: list[Bucket], group: dist.ProcessGroup | None, policy: PrecisionPolicy,
                  device: torch.device, overlap_comm: bool, acc_device: torch.device | None = None, *,
                  scaling: tuple[float, float] | None = None, ordered: bool = True,
-                 on_param_done: Callable[[torch.nn.Parameter], None] | None = None) -> None:
+                 on_param_done: Callable[[torch.nn.Parameter], None] | None = None,
+                 replicate: dist.ProcessGroup | None = None) -> None:
         #: Launch strictly in bucket order (stages 0-2). ZeRO-3 launches each unit as it completes:
         #: its all-gathers already require every rank to run modules in the same order.
         self.ordered = ordered
@@ -74,6 +75,12 @@ class GradSync:
         self.buckets = buckets
         self.group = group
         self.world = C.world_size(group)
+        #: hybrid sharding: the ranks holding the same shard in the other groups; reduced shards are
+        #: all-reduced over them (``None``: the group is the whole data-parallel world)
+        self.replicate = replicate
+        self.replicas = C.world_size(replicate) if replicate is not None else 1
+        #: ranks the gradient is averaged over: every group's and every replica's
+        self.avg_world = self.world * self.replicas
         self.policy = policy
         self.device = device
         #: where the persistent gradient shard accumulates (host memory with optimizer offload)
@@ -111,6 +118,12 @@ class GradSync:
         for p in self._where:
             self._handles.append(p.register_post_accumulate_grad_hook(weak_method_hook(self._on_grad)))
         remove_when_collected(self, self._handles)
+
+    def _across_replicas(self, row: torch.Tensor) -> torch.Tensor:
+        """Hybrid sharding: ``row`` reduced inside this group, summed over the replicas too."""
+        if self.replicate is not None:
+            C.all_reduce(row, self.replicate, async_op=False)
+        return row
 
     def received_gradients(self) -> bool:
         """Whether any parameter received a gradient in this accumulation window."""
@@ -317,7 +330,7 @@ class _FullAccumulatorSync(GradSync):
 
     def _pre_default(self) -> float:
         """The factor gradients are written with (the stage's placement of the 1/world average)."""
-        return self._pre(1.0 / self.world)
+        return self._pre(1.0 / self.avg_world)
 
     def _write(self, bucket: Bucket, i: int, grad: torch.Tensor, first_in_window: bool) -> None:
         off, k = bucket.offsets[i], bucket.layouts[i].shard_numel
@@ -418,7 +431,7 @@ class BoundaryReduceScatterSync(_FullAccumulatorSync):
         pending = C.reduce_scatter_rows(self._wire(bucket), self.group, tag=bucket.index)
 
         def finalize() -> None:
-            row = pending.wait()
+            row = self._across_replicas(pending.wait())
             if row.data_ptr() != own.data_ptr() or row.dtype != own.dtype:
                 own.copy_(row)
             if self._post(1.0) != 1.0:
@@ -433,7 +446,8 @@ class BoundaryReduceScatterSync(_FullAccumulatorSync):
             rows = self._rows(b)
             rows[: self.row].zero_()
             rows[self.row + 1 :].zero_()
-            own.mul_(1.0 / self._post(1.0))
+            # and each replica of the row a share of it (hybrid sharding all-reduces the replicas)
+            own.mul_(1.0 / (self._post(1.0) * self.replicas))
 
 
 class MicroStepReduceScatterSync(GradSync):
@@ -498,10 +512,10 @@ class MicroStepReduceScatterSync(GradSync):
             pending = C.reduce_scatter_rows(full, self.group, tag=bucket.index)
 
         def finalize() -> None:
-            row = pending.wait()
+            row = self._across_replicas(pending.wait())
             # Written (not added) by each bucket's first reduction of a window.
             acc = self.accumulator()[bucket.start : bucket.start + bucket.numel]
-            post = self._post(1.0 / self.world)
+            post = self._post(1.0 / self.avg_world)
             if row.device != acc.device:  # offload: the averaged row goes to (page-locked) host memory
                 if post != 1.0:
                     row = row.mul(post)

@@ -148,6 +148,12 @@ class ZeroOptimizer:
         """Whether master weights and optimizer state are split across ranks (the plan's)."""
         return self.plan.sharded
 
+    @property
+    def replica(self) -> int:
+        """Hybrid sharding: which copy of the sharded state this rank's group holds (0 without:
+        the only one). Checkpoints are written by replica 0."""
+        return C.rank(self.sync.replicate) if self.sync.replicate is not None else 0
+
     def grad_shard(self) -> list[torch.Tensor]:
         """This rank's reduced gradient shard, one flat tensor per bucket of ``self.buckets``."""
         return self.sync.shard_grads()

@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from zeroshard.errors import ConfigError
 
-__all__ = ["INSIDE", "ACROSS", "WORLD", "Topology", "flat_topology", "level_of", "make_hpz_group", "make_topology"]
+__all__ = ["INSIDE", "ACROSS", "WORLD", "Topology", "flat_topology", "level_of", "make_hpz_group", "make_hybrid_groups",
+           "make_topology"]
 
 _HPZ_KEY = "zero_optimization.zero_hpz_partition_size"
 
@@ -118,6 +119,34 @@ def make_hpz_group(group: dist.ProcessGroup | None, device: torch.device, size: 
     hpz = mesh.get_group("hpz")
     _LEVELS[hpz] = INSIDE
     return hpz
+
+
+_HYBRID_KEY = "zero_optimization.hybrid_shard_size"
+
+
+def make_hybrid_groups(device: torch.device, shard: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Hybrid sharding over the whole world: ``(sharding group, replicate group)`` of this rank.
+
+    The world is a ``(replicas, shard)`` mesh: groups of ``shard`` consecutive ranks hold one
+    sharded copy of the training state each (inside a node when ``shard`` divides the ranks of
+    one), and the ranks at the same place in every group form the replicate group, over which
+    gradients are all-reduced (FSDP2's HSDP, ``fully_shard(mesh=...)`` on a 2-D mesh).
+
+    Raises:
+        ConfigError: naming ``hybrid_shard_size`` and the numbers, when it does not divide the world.
+    """
+    world = _size(None)
+    if shard < 1 or world % shard:
+        raise ConfigError(f"hybrid_shard_size {shard} does not divide the world size {world}: the ranks form "
+                          f"groups of {shard} that each hold the whole sharded state", key=_HYBRID_KEY)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+    sharding, replicate = mesh.get_group("shard"), mesh.get_group("replicate")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    _LEVELS[sharding] = INSIDE if local % shard == 0 and local < world else WORLD
+    _LEVELS[replicate] = ACROSS if local == shard and local < world else WORLD
+    return sharding, replicate
 
 
 def _size(group: dist.ProcessGroup | None) -> int:
