@@ -23,6 +23,7 @@ inside the node, at 4 bits), and no all-gather or reduce-scatter left at the wor
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,6 +35,7 @@ import zeroshard
 from zeroshard.core.comm import collectives as C
 from zeroshard.estimate.model_spec import spec_from_module
 from zeroshard.estimate.states import model_states
+from zeroshard.deepspeed.utils import safe_get_full_fp32_param
 
 GLOBAL_BATCH, GA, STEPS, LR, CLIP = 24, 2, 20, 1e-2, 1.0
 G_MAX = 5e-2
@@ -74,9 +76,13 @@ def train(rank: int, world: int, local: int, runs: list[tuple[int, bool, bool, b
         engine.comms_logger.uninstall()
         with engine.gathered():
             params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+            dtypes = {n: p.dtype for n, p in engine.module.named_parameters()}
+        # an explicit gather hands out the masters' values (cast to the compute dtype), also under qwZ
+        exact = all(torch.equal(params[n], safe_get_full_fp32_param(p).to(dtypes[n]).float())
+                    for n, p in engine.module.named_parameters())
         key = f"{stage}/{qwz}/{qgz}/{bf16}" + (f"/hpz{hpz}" if hpz > 1 else "")
         units = [u for u in engine.optimizer.units if not u.persistent] if stage == 3 else []
-        out[key] = {"params": params, "bytes": by_op, "usage": engine.memory_usage(),
+        out[key] = {"params": params, "bytes": by_op, "usage": engine.memory_usage(), "exact": exact,
                     "secondary_bound": sum(u.world * u.bucket.numel for u in units) * (2 if bf16 else 4)}
         engine.destroy()
     return out
@@ -109,6 +115,7 @@ def test_quantized_training_stays_near_the_reference(results: tuple[int, dict[st
     ref = _reference()
     plain = _distance(out["3/False/False/False"]["params"], ref)
     assert plain <= 1e-5, plain
+    assert all(r["exact"] for r in out.values()), {k: r["exact"] for k, r in out.items()}
     for key in ("3/True/False/False", "3/False/True/False", "3/True/True/False", "2/False/True/False"):
         g = _distance(out[key]["params"], ref)
         print(f"world {world} stage/qwZ/qgZ {key}: G = {g:.2e}")
@@ -189,3 +196,50 @@ def bad_hpz(rank: int, world: int, local: int, size: int) -> str:
 def test_an_hpz_size_that_does_not_divide_a_node(local: int, size: int, words: str) -> None:
     for message in run_distributed(bad_hpz, 4, local, size):
         assert message.startswith("zero_optimization.zero_hpz_partition_size: ") and words in message, message
+
+
+def save_all_three(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    x, y = make_data(STEPS, GLOBAL_BATCH)
+    micro = GLOBAL_BATCH // (GA * world)
+    model = make_model(0)
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(),
+                                      config=_config(3, True, True, False, 2))
+    for step in range(3):
+        for m in range(GA):
+            engine.backward(engine(*(micro_batch(t, step, m, rank, world, micro) for t in (x, y))))
+            engine.step()
+    engine.save_checkpoint(path, tag="zeropp")
+    with engine.gathered():
+        out = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    return out
+
+
+def load_flat(rank: int, world: int, path: str, stage: int) -> dict[str, Any]:
+    x, y = make_data(STEPS, GLOBAL_BATCH)
+    micro = GLOBAL_BATCH // (GA * world)
+    model = make_model(0)
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(),
+                                      config=_config(stage, False, False, False))
+    engine.load_checkpoint(path, tag="zeropp")
+    with engine.gathered():
+        loaded = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    steps = engine.global_steps
+    for step in range(3, 5):  # and trains on from there
+        for m in range(GA):
+            engine.backward(engine(*(micro_batch(t, step, m, rank, world, micro) for t in (x, y))))
+            engine.step()
+    trained = engine.global_steps
+    engine.destroy()
+    return {"loaded": loaded, "steps": steps, "trained": trained}
+
+
+def test_a_zeropp_checkpoint_loads_into_the_flat_layout(tmp_path: Path) -> None:
+    """Saved by qwZ + qgZ + hpZ on 2 nodes x 2 (the fp32 masters: exact), loaded by plain stage 2
+    on 2 ranks and stage 3 on 1: the same parameters, bit for bit, and training goes on."""
+    saved = run_distributed(save_all_three, 4, str(tmp_path), timeout=600)[0]
+    for world, stage in ((2, 2), (1, 3)):
+        for r in run_distributed(load_flat, world, str(tmp_path), stage, timeout=600):
+            assert r["steps"] == 3 and r["trained"] == 5, r
+            assert all(torch.equal(r["loaded"][n], saved[n]) for n in saved), (world, stage)

@@ -328,6 +328,9 @@ class ParamCoordinator:
         for u in units:
             if record:
                 self._follow_trace(u)
+            elif u.quantized_values and not u.persistent and not self.pinned.get(u):
+                # qwZ: what an explicit gather hands out (to read, export or change) is exact
+                self.release(u)
             self._ahead.pop(u, None)
             if not u.persistent:
                 self.pinned[u] = self.pinned.get(u, 0) + 1
@@ -339,7 +342,7 @@ class ParamCoordinator:
                 u.reclaim()  # the caller gets tensors it may keep or change: the shard must not need them
             # Lent only for a training forward, whose backward releases (and writes back) every unit
             # soon: units an evaluation forward gathers may stay gathered until the next step.
-            self._launch(u)
+            self._launch(u, exact=not record)
             u.wait_gather(lend=record and torch.is_grad_enabled())
             self.last_used = u
         self._note_peak()
@@ -358,14 +361,14 @@ class ParamCoordinator:
         self.fetch([u])
         self.calls[-1].append(u)
 
-    def _launch(self, u: ParamUnit) -> None:
+    def _launch(self, u: ParamUnit, exact: bool = False) -> None:
         """Start ``u``'s all-gather (nothing unless it is sharded), checking first, when gathers are
-        verified, that every rank gathers the same unit."""
+        verified, that every rank gathers the same unit; ``exact``: not quantized (qwZ)."""
         if u.state is not UnitState.SHARDED:
             return
         if self._guard is not None:
             self._guard(self._unit_index[u], u.numel, "backward" if self._in_backward else "forward", u.gather_what)
-        u.launch_gather()
+        u.launch_gather(exact=exact)
 
     def start_pass(self) -> None:
         """Before the engine's forward: a recording left by forwards without backward is dropped."""

@@ -129,6 +129,9 @@ class ParamUnit:
         self.secondaries = secondaries
         #: this rank's secondary shard (:mod:`~zeroshard.core.zero3.secondary`), while valid
         self._secondary: torch.Tensor | None = None
+        #: the gathered values (or the gather in flight) came through qwZ's quantization
+        self.quantized_values = False
+        self._exact = False
 
     @property
     def state(self) -> UnitState:
@@ -168,11 +171,14 @@ class ParamUnit:
         return sum(p_layout.numel for p_layout in self.bucket.layouts)
 
     @_outside_inference_mode
-    def launch_gather(self) -> None:
-        """Start the all-gather (no-op unless ``SHARDED``)."""
+    def launch_gather(self, exact: bool = False) -> None:
+        """Start the all-gather (no-op unless ``SHARDED``); ``exact``: not quantized even with qwZ
+        (an explicit gather: values a user reads, exports or changes)."""
         if self.state is not UnitState.SHARDED:
             return
-        if self._secondary is not None and self.secondaries is not None:  # inside the hpZ group only
+        self._exact = exact
+        if self._secondary is not None and self.secondaries is not None and not (exact and self.quantized_values):
+            # inside the hpZ group only (not for an exact gather when the secondary holds quantized values)
             out = self._gather_output(self.world * self.bucket.numel)
             self._pending = (out, C.all_gather(out, self._secondary.view(-1), self.secondaries.group,
                                                what=self.gather_what))
@@ -187,13 +193,16 @@ class ParamUnit:
     def _start_all_gather(self, shard: torch.Tensor | None, pooled: bool = False) -> None:
         assert shard is not None
         # Quantized, the fp32 masters are quantized as they are (no cast first: one rounding, not two).
-        dtype = shard.dtype if self.quantize_block is not None and shard.dtype.is_floating_point else self.dtype
+        quantizing = self.quantize_block is not None and not self._exact
+        dtype = shard.dtype if quantizing and shard.dtype.is_floating_point else self.dtype
         if shard.device != self.device or shard.dtype != dtype:
             # Parameter offload (host memory to the device), or the fp32 masters cast on the way.
             # A pooled swap buffer goes back to the pool (and is refilled) right after: copy blocking.
             shard = shard.to(self.device, dtype, non_blocking=not pooled)
         out = self._gather_output(self.world * self.bucket.numel)
-        if self.quantize_block is not None:
+        self.quantized_values = self.quantize_block is not None and not self._exact
+        if self.quantized_values:
+            assert self.quantize_block is not None
             self._pending = (out, quantized_all_gather(out, shard, self.group, self.quantize_block))
         else:
             self._pending = (out, C.all_gather(out, shard, self.group, what=self.gather_what))
