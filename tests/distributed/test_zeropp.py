@@ -33,9 +33,9 @@ from models import make_data, make_model, micro_batch, train_reference
 
 import zeroshard
 from zeroshard.core.comm import collectives as C
+from zeroshard.deepspeed.utils import safe_get_full_fp32_param
 from zeroshard.estimate.model_spec import spec_from_module
 from zeroshard.estimate.states import model_states
-from zeroshard.deepspeed.utils import safe_get_full_fp32_param
 
 GLOBAL_BATCH, GA, STEPS, LR, CLIP = 24, 2, 20, 1e-2, 1.0
 G_MAX = 5e-2
