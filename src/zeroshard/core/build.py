@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from zeroshard.core.offload import OffloadPolicy, Residency
 from zeroshard.core.offload.factory import make_state_store, optimizer_state_device
 from zeroshard.core.offload.param_store import ParamShard, make_param_shard
 from zeroshard.core.offload.policy import should_pin
+from zeroshard.core.offload.swapped_store import SwappedStateStore
 from zeroshard.core.partition import Bucket, buckets_from_groups, buffer_numel, make_buckets, merge_buckets
 from zeroshard.core.plan import GradReduction, StagePlan, make_plan
 from zeroshard.core.precision import LossScaler, PrecisionPolicy
@@ -114,7 +116,8 @@ def build_stage(module: torch.nn.Module, param_groups: list[dict[str, Any]], spe
             store = make_state_store(master, offload, device, rank, publish=publish)
             undo.callback(store.close)
             sync = (MicroStepReduceScatterSync(buckets, *sync_args, acc_device=master_device, scaling=scaling,
-                                               quantized=quantized, replicate=replicate) if quantized is not None else
+                                               quantized=quantized, replicate=replicate, spill_dir=_spill_dir(store))
+                    if plan.reduction is GradReduction.REDUCE_SCATTER_EVERY_MICRO_STEP else
                     _SYNC[plan.reduction](buckets, *sync_args, acc_device=master_device, scaling=scaling,
                                           replicate=replicate))
             undo.callback(sync.remove_hooks)
@@ -136,7 +139,7 @@ def build_stage(module: torch.nn.Module, param_groups: list[dict[str, Any]], spe
             sync = MicroStepReduceScatterSync(merge_buckets(buckets, buffer_numel(spec.reduce_bucket_size)),
                                               *sync_args, acc_device=master_device, scaling=scaling,
                                               ordered=False, on_param_done=zero3.grads.param_done, quantized=quantized,
-                                              replicate=replicate)
+                                              replicate=replicate, spill_dir=_spill_dir(store))
             undo.callback(sync.remove_hooks)
             stage = kinds[1](module, param_groups, spec, policy, scaler, group, device, offload,
                              StageParts(buckets, master, store, sync, plan), zero3)
@@ -154,6 +157,12 @@ def _quantized_reduction(group: dist.ProcessGroup | None, device: torch.device) 
     """ZeRO++ qgZ over the data-parallel world's two levels (one when it is one node)."""
     topology = make_topology(group, device)
     return QuantizedReduction(topology.intra, topology.inter)
+
+
+def _spill_dir(store: object) -> Path | None:
+    """NVMe optimizer offload: where the gradient shard spills (beside the optimizer's swap files),
+    so that host memory does not grow with the model (:class:`~zeroshard.core.host_memory.FileMappedBuffer`)."""
+    return store.directory if isinstance(store, SwappedStateStore) else None
 
 
 def _secondary_shards(group: dist.ProcessGroup | None, device: torch.device, size: int) -> SecondaryShards:

@@ -30,6 +30,7 @@ after each collective) and accumulated in the policy's ``grad_accum_dtype`` (fp3
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -118,6 +119,12 @@ class GradSync:
         for p in self._where:
             self._handles.append(p.register_post_accumulate_grad_hook(weak_method_hook(self._on_grad)))
         remove_when_collected(self, self._handles)
+
+    #: the gradient shard is file-backed (NVMe optimizer offload, stages 2-3)
+    spills = False
+
+    def release_pages(self, t: torch.Tensor) -> None:
+        """Take the pages of ``t``, a view of the gradient shard, out of the process (spilled only)."""
 
     def _across_replicas(self, row: torch.Tensor) -> torch.Tensor:
         """Hybrid sharding: ``row`` reduced inside this group, summed over the replicas too."""
@@ -460,8 +467,15 @@ class MicroStepReduceScatterSync(GradSync):
     reduce_as_filled = True
     reduces_every_micro_step = True
 
-    def __init__(self, *args: object, quantized: QuantizedReduction | None = None, **kwargs: object) -> None:
+    def __init__(self, *args: object, quantized: QuantizedReduction | None = None,
+                 spill_dir: Path | None = None, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        #: NVMe optimizer offload: the gradient shard lives in a file-backed buffer under this
+        #: directory, each bucket's pages taken out of the process once reduced into it
+        #: (:class:`~zeroshard.core.host_memory.FileMappedBuffer`)
+        self.spill_dir = spill_dir
+        self.spills = spill_dir is not None
+        self._spill: host_memory.FileMappedBuffer | None = None
         #: ZeRO++ qgZ: buckets reduced by quantized all-to-alls, inside nodes then across
         self.quantized = quantized
         self._qgz_blocks: dict[int, int] = {}
@@ -469,7 +483,8 @@ class MicroStepReduceScatterSync(GradSync):
         # this rank's shard crosses over, and it stays allocated (page-locking is slow). On the
         # training device it exists only from a window's first reduction to its step, as FSDP
         # frees gradients after the step: it is not held through the next forward.
-        self._pin = self.acc_device.type == "cpu" and self.device.type != "cpu" and torch.cuda.is_available()
+        self._pin = (self.acc_device.type == "cpu" and self.device.type != "cpu" and torch.cuda.is_available()
+                     and spill_dir is None)
         self._keep = self.acc_device != self.device
         self.acc: torch.Tensor | None = None
         self._acc_views: list[torch.Tensor] = []
@@ -526,6 +541,7 @@ class MicroStepReduceScatterSync(GradSync):
                 else:
                     acc.add_(row.to(acc.device))
                 self._free.append(self._buffers.pop(bucket.index))
+                self.release_pages(acc)
                 return
             if bucket.index in self._fresh:
                 self._fresh.discard(bucket.index)
@@ -533,8 +549,20 @@ class MicroStepReduceScatterSync(GradSync):
             else:
                 acc.add_(row, alpha=post)
             self._free.append(self._buffers.pop(bucket.index))
+            self.release_pages(acc)
 
         return finalize
+
+    def release_pages(self, t: torch.Tensor) -> None:
+        """Take the pages of ``t`` (a view of the gradient shard) out of the process, when spilled."""
+        if self._spill is None or self.acc is None or not t.numel():
+            return
+        base = self._spill.tensor(self.acc.dtype)
+        if self.acc.data_ptr() != base.data_ptr():  # moved elsewhere (engine.offload_states)
+            return
+        off = t.data_ptr() - base.data_ptr()
+        if 0 <= off < self._spill.nbytes:  # not a copy made elsewhere (a cast to fp32)
+            self._spill.drop(off, t.numel() * t.element_size())
 
     def _qgz_block(self, bucket: Bucket) -> int:
         block = self._qgz_blocks.get(bucket.index)
@@ -546,7 +574,11 @@ class MicroStepReduceScatterSync(GradSync):
     def accumulator(self) -> torch.Tensor:
         """This rank's flat gradient shard, allocated if the window has none yet."""
         if self.acc is None:
-            if self._pin:
+            if self.spill_dir is not None:
+                self._spill = host_memory.FileMappedBuffer(
+                    self.spill_dir, self.shard_numel * self.policy.grad_accum_dtype.itemsize)
+                self.acc = self._spill.tensor(self.policy.grad_accum_dtype)
+            elif self._pin:
                 self.acc = torch.empty(self.shard_numel, dtype=self.policy.grad_accum_dtype, device=self.acc_device,
                                        pin_memory=True)
             else:  # freed at each step: on CPU, outside the heap (see host_memory)
@@ -571,17 +603,23 @@ class MicroStepReduceScatterSync(GradSync):
     def zero(self) -> None:
         super().zero()
         self._fresh = {b.index for b in self.buckets}
-        if not self._keep:  # the step has consumed it: free it until the next window's first reduction
+        if not self._keep or self._spill is not None:  # consumed: freed until the next window's first reduction
             self.acc = None
             self._acc_views = []
+            self._spill = None
 
     def _pool_size(self) -> int:
         """Bucket buffers allocated: every one is either free or held by a bucket."""
         return len(self._free) + len(self._buffers)
 
     def bytes_held(self) -> int:
-        """Bytes of the gradient shard while it exists (from a window's first reduction to its step)."""
-        return self.shard_numel * self.policy.grad_accum_dtype.itemsize
+        """Bytes of the gradient shard while it exists (from a window's first reduction to its step);
+        spilled, none in memory (:meth:`spilled_bytes`)."""
+        return 0 if self.spills else self.shard_numel * self.policy.grad_accum_dtype.itemsize
+
+    def spilled_bytes(self) -> int:
+        """Bytes of the gradient shard in its file-backed buffer (0 unless spilled)."""
+        return self.shard_numel * self.policy.grad_accum_dtype.itemsize if self.spills else 0
 
     def workspace_bytes(self) -> int:
         """Bytes of the bucket buffers in the last backward (freed at its end)."""

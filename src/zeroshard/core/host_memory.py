@@ -39,6 +39,7 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+import tempfile
 from typing import Any, Literal
 
 import torch
@@ -160,6 +161,45 @@ class MappedBuffer:
         end = len(self._map) if length is None else min(start + length, len(self._map))
         first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
         last = end if end == len(self._map) else end // mmap.PAGESIZE * mmap.PAGESIZE
+        if last <= first:
+            return 0
+        self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
+        return last - first
+
+
+class FileMappedBuffer:
+    """A CPU buffer backed by a file of its own (a shared mapping of an unlinked file under
+    ``directory``), whose pages :meth:`drop` takes out of the process while their values stay:
+    in the page cache, written to the file when the system needs the memory. The process then
+    holds only the pages in use, whatever the buffer's size.
+
+    For state that outgrows host memory (the fp32 gradient shard of a ZeRO-Infinity run, next to
+    the swap files of its optimizer state). The file is removed from the directory at once: it
+    disappears with the last tensor viewing the buffer, also when the process dies.
+    """
+
+    def __init__(self, directory: os.PathLike[str] | str, nbytes: int) -> None:
+        fd, path = tempfile.mkstemp(prefix="spill-", suffix=".buf", dir=directory)
+        try:
+            os.unlink(path)
+            os.ftruncate(fd, max(nbytes, 1))  # sparse: the disk holds only what is written back
+            self._map = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self.nbytes = nbytes
+        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8, count=max(nbytes, 1))[:nbytes]
+
+    def tensor(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole buffer as a 1-D tensor of ``dtype``."""
+        return self._bytes.view(dtype)
+
+    def drop(self, start: int = 0, length: int | None = None) -> int:
+        """Take the pages of a byte range out of the process (``MADV_DONTNEED`` on a shared file
+        mapping keeps their values); pages it shares with bytes outside the range too (they read
+        back their values from the page cache). Returns the bytes dropped."""
+        end = self.nbytes if length is None else min(start + length, self.nbytes)
+        first = start // mmap.PAGESIZE * mmap.PAGESIZE
+        last = min(-(-end // mmap.PAGESIZE) * mmap.PAGESIZE, len(self._map))
         if last <= first:
             return 0
         self._map.madvise(mmap.MADV_DONTNEED, first, last - first)

@@ -238,7 +238,12 @@ class ZeroOptimizer:
         self.rebind_parameters(keep_values=True)  # the forward and backward just ran on the replaced values
         dropped = self.sync.take_exposed()  # stage 0's .grad, as the script left it
         g32 = [g if g.dtype == torch.float32 else g.float() for g in self.grad_shard()]
-        if self.scaler.scale != 1.0:
+        if self.sync.spills:  # one bucket at a time, its pages let go after: the same operations
+            for g in g32:
+                if self.scaler.scale != 1.0:
+                    g.mul_(1.0 / self.scaler.scale)
+                self.sync.release_pages(g)
+        elif self.scaler.scale != 1.0:
             torch._foreach_mul_(g32, 1.0 / self.scaler.scale)
         norm = self._global_norm(g32)
         self.overflow = not math.isfinite(norm) and self.spec.skip_non_finite
@@ -255,10 +260,15 @@ class ZeroOptimizer:
         if clip > 0:
             coef = clip / (norm + 1e-6)
             if coef < 1.0:
-                torch._foreach_mul_(g32, coef)
+                if self.sync.spills:
+                    for g in g32:
+                        g.mul_(coef)
+                        self.sync.release_pages(g)
+                else:
+                    torch._foreach_mul_(g32, coef)
         unused = {self.master.views[p] for p in (*self.sync.unused_params(), *dropped)}
         stepped = self._begin_publish()
-        self.store.step(g32, skip=unused, stepped=stepped)
+        self.store.step(g32, skip=unused, stepped=self._releasing(g32, stepped) if self.sync.spills else stepped)
         self.sync.zero()
         # Swap-file writes the step left in flight overlap the rest of the publish, and the next forward.
         if stepped is None:
@@ -291,8 +301,26 @@ class ZeroOptimizer:
         g32 = [g.float() for g in self.grad_shard()]
         return self._global_norm(g32) / float(self.scaler.scale)
 
+    def _releasing(self, g32: list[torch.Tensor],
+                   stepped: Callable[[SubGroup], None] | None) -> Callable[[SubGroup], None]:
+        """``stepped`` that first lets go of the pages of the sub-group's gradients (spilled)."""
+        def after(sg: SubGroup) -> None:
+            for _master, b, off, n in sg.slices:
+                self.sync.release_pages(g32[b][off : off + n])
+            if stepped is not None:
+                stepped(sg)
+
+        return after
+
     def _global_norm(self, g32: list[torch.Tensor]) -> float:
-        if g32 and g32[0].device.type == "cpu" and self.device.type != "cpu":
+        if self.sync.spills:
+            # As get_total_norm computes it (a norm per tensor, then their norm), a tensor at a time
+            norms: list[torch.Tensor] = []
+            for g in g32:
+                norms.extend(torch._foreach_norm([g], 2.0))
+                self.sync.release_pages(g)
+            local = torch.linalg.vector_norm(torch.stack(norms), 2.0) if norms else torch.zeros(())
+        elif g32 and g32[0].device.type == "cpu" and self.device.type != "cpu":
             # Optimizer offload on an accelerator: the shard is in host memory. BLAS dot products use
             # every core; torch's CPU norm kernel took 1.15 s for 2.5B elements on a 16-core host
             # (40% of the step), the dots take a fraction of it.
@@ -396,6 +424,9 @@ class ZeroOptimizer:
         pinned = acc_device.type == "cpu" and self.device.type != "cpu" and torch.cuda.is_available()
         out["gradients"] = {"device" if acc_device.type != "cpu" else ("pinned_host" if pinned else "host"):
                             self.sync.bytes_held()}
+        spilled = getattr(self.sync, "spilled_bytes", lambda: 0)()
+        if spilled:  # NVMe: a file-backed buffer whose pages are in the process only while used
+            out["gradients"] = {"file": spilled}
         if self.master.pack_source is not self.master.flat:  # stages 1-2 with the masters in files
             src = self.master.pack_source
             place = "device" if src.device.type != "cpu" else "host"
