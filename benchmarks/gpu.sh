@@ -24,6 +24,9 @@
 #   activations  a step's activation memory with and without checkpointing, and with cpu_checkpointing
 #             (benchmarks/studies/activation_memory.py, 8 blocks of width 1024, 8 x 1024 tokens, fp32)
 #             -> activation_memory-cuda.md. At most 2 minutes.
+#   offload_states  device memory before and after engine.offload_states(include=[name]) and reload_states(),
+#             per state name and for all of them, at ZeRO stages 1-3 (benchmarks/studies/offload_states_memory.py,
+#             134M parameters, bf16): the drop should equal the bytes moved -> offload_states-cuda.md. At most 2 minutes.
 #
 # Results go to $OUT if set (the device tool's folder), else benchmarks/results/; logs to $OUT/logs, else
 # benchmarks/out/gpu/. Settings, from the environment (default):
@@ -58,12 +61,13 @@ fail() { echo "gpu.sh: FAILED: $*" >&2; exit 2; }
 
 sections=("$@")
 [ "${#sections[@]}" -gt 0 ] || sections=(tests bench)
-[ "${sections[*]}" = all ] && sections=(tests bench offload timeline activations)
+[ "${sections[*]}" = all ] && sections=(tests bench offload timeline activations offload_states)
 for s in "${sections[@]}"; do
     case "$s" in
-        tests | bench | offload | timeline | activations) ;;
+        tests | bench | offload | timeline | activations | offload_states) ;;
         -h | --help) usage; exit 0 ;;
-        *) echo "gpu.sh: unknown section '$s' (tests, bench, offload, timeline, activations, all)" >&2; exit 2 ;;
+        *) echo "gpu.sh: unknown section '$s' (tests, bench, offload, timeline, activations, offload_states, all)" >&2
+           exit 2 ;;
     esac
 done
 
@@ -202,6 +206,16 @@ run_activations() {
     else
         failed+=("activations (no table written; log: $LOG_DIR/activation_memory-cuda.log)")
     fi
+}
+
+run_offload_states() {
+    local raw="$LOG_DIR/offload_states-cuda.log" status=0
+    echo "== offload_states: device memory before and after offload_states()/reload_states(), per state, stages 1-3"
+    timeout --kill-after=10 110 "$PY" benchmarks/studies/offload_states_memory.py >"$raw" 2>&1 || status=$?
+    { header "Device memory of engine.offload_states() / reload_states(), per state" offload_states
+      grep -E '^(\| |[0-9]+M parameters)' "$raw"; } >"$OUT_DIR/offload_states-cuda.md"
+    grep -E '^(\| |[0-9]+M parameters)' "$raw"
+    [ "$status" -eq 0 ] || failed+=("offload_states (exited $status; log: $raw)")
 }
 
 for s in "${sections[@]}"; do

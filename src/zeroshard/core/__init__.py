@@ -5,6 +5,7 @@ checkpoint formats, the config schema or DeepSpeed's names (``pyproject.toml``'s
 contracts check this in CI)::
 
     build              the plan turned into parts, each constructed with its collaborators
+    state_moves        a built stage's state moved to host memory and back (offload_states)
     zero3/             stage 3: units of parameters gathered just in time, prefetched, released
       stage3 ─ coordinator ─ param_unit ─ units, frozen (the shard of untrained parameters)
     zero_optimizer     stages 0-2: the stage over its parts (master, store, sync) and a torch optimizer

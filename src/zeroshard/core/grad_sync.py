@@ -123,6 +123,11 @@ class GradSync:
     #: the gradient shard is file-backed (NVMe optimizer offload, stages 2-3)
     spills = False
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The persistent gradient buffer and its views that the stage reads (for moving them
+        elsewhere: ``engine.offload_states``); none where gradients live only in transient buckets."""
+        return []
+
     def release_pages(self, t: torch.Tensor) -> None:
         """Take the pages of ``t``, a view of the gradient shard, out of the process (spilled only)."""
 
@@ -432,6 +437,10 @@ class AllReduceSync(_FullAccumulatorSync):
 class BoundaryReduceScatterSync(_FullAccumulatorSync):
     """Stage 1: reduce-scatter the full accumulator at the boundary; the shard is this rank's row."""
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The full accumulator and this rank's rows of it."""
+        return [self.acc, *self._own]
+
     def _launch(self, bucket: Bucket) -> Callable[[], None]:
         own = self._own[bucket.index]
         # The accumulator is rewritten from scratch in the next window: the collective may use it.
@@ -552,6 +561,10 @@ class MicroStepReduceScatterSync(GradSync):
             self.release_pages(acc)
 
         return finalize
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The shard accumulator and its per-bucket views, while it exists."""
+        return [self.acc, *self._acc_views] if self.acc is not None else []
 
     def release_pages(self, t: torch.Tensor) -> None:
         """Take the pages of ``t`` (a view of the gradient shard) out of the process, when spilled."""

@@ -151,6 +151,11 @@ class MasterShard:
         """Whether :meth:`drop_pages` can free memory (the flat buffer has a mapping of its own)."""
         return self._flat_map is not None
 
+    def adopt_mapping(self, mapping: host_memory.MappedBuffer | None) -> None:
+        """:attr:`flat` was moved (:mod:`zeroshard.core.state_moves`) into ``mapping`` (``None``: an
+        allocation whose pages cannot be dropped): :meth:`drop_pages` drops from it from now on."""
+        self._flat_map = mapping
+
     def drop_pages(self, start: int, end: int) -> int:
         """Hand the memory of flat elements ``[start, end)`` back to the system: the pages wholly
         inside the range read as zero until written again (a page shared with elements outside it

@@ -15,6 +15,7 @@ import torch
 from zeroshard.core.precision import LossScaler
 from zeroshard.core.zero3.stage3 import Stage3Optimizer
 from zeroshard.core.zero_optimizer import ZeroOptimizer
+from zeroshard.deepspeed.offload_states import OptimizerStateOffload
 from zeroshard.errors import NotYetSupportedError
 
 __all__ = ["DEEPSPEED_STAGES", "DeepSpeedOptimizerViews", "DeepSpeedStage3Optimizer", "DeepSpeedZeroOptimizer"]
@@ -26,8 +27,9 @@ def _use_checkpoints(method: str, instead: str) -> NotYetSupportedError:
         f"in host memory or swap files); {instead}", key=f"optimizer.{method}")
 
 
-class DeepSpeedOptimizerViews(ZeroOptimizer):
-    """DeepSpeed's names for a stage's loss scaling, norms and per-rank state (views, no state of their own)."""
+class DeepSpeedOptimizerViews(OptimizerStateOffload):
+    """DeepSpeed's names for a stage's loss scaling, norms and per-rank state (views, no state of their
+    own), and its ``offload_states()`` / ``reload_states()`` (:class:`OptimizerStateOffload`)."""
 
     def _get_loss_scale(self) -> float:
         return float(self.scaler.scale)

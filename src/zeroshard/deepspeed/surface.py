@@ -211,7 +211,11 @@ MODULES: dict[str, Entry] = {
         placeholders=_internal("ZeroStageEnum")),
     "deepspeed.runtime.zero.offload_config": Entry(names={
         **_misc("OffloadDeviceEnum"),
+        "OffloadStateTypeEnum": "zeroshard.deepspeed.offload_states:OffloadStateTypeEnum",
         **_zero_config("DeepSpeedZeroOffloadParamConfig", "DeepSpeedZeroOffloadOptimizerConfig")}),
+    # engine.offload_states() / reload_states(): the state names and the devices a state is on
+    "deepspeed.runtime.zero.offload_states": Entry(names={
+        n: f"zeroshard.deepspeed.offload_states:{n}" for n in ("get_state_devices", "OffloadStateTypeEnum")}),
     "deepspeed.runtime.zero.leaf_module_config": Entry(
         names=_misc("DEFAULT_LEAF_MODULE_CLASSES", "DEFAULT_LEAF_MODULE_NAMES", "DEFAULT_LEAF_MODULE_NAME_SUFFIXES"),
         placeholders=_internal("DeepSpeedZeroLeafModuleConfig")),

@@ -39,8 +39,6 @@ NOT_YET_SUPPORTED: dict[str, str] = {
     "autotuning_model_info_path": _AUTOTUNING,
     "autotuning_metric": _AUTOTUNING,
     "swap_tensor_config": _OFFLOAD,
-    "offload_states": _OFFLOAD,
-    "reload_states": _OFFLOAD,
     "get_optimizer_configuration": ("DeepSpeed's builder of its own fused optimizers is not exposed; the config's "
                                     "optimizer block builds a torch optimizer"),
     "print_forward_breakdown": "DeepSpeed's MoE/ZeRO-3 forward timers are not kept; use wall_clock_breakdown",
