@@ -40,6 +40,8 @@ import ctypes.util
 import mmap
 import os
 import tempfile
+import weakref
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -188,6 +190,9 @@ class FileMappedBuffer:
             os.close(fd)
         self.nbytes = nbytes
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8, count=max(nbytes, 1))[:nbytes]
+        # Registered by its mapping, which lives as long as any tensor viewing it (not this object)
+        key = id(self._map)
+        _FILE_BACKED[key] = (self._bytes.data_ptr(), self.nbytes, weakref.ref(self._map, _unregister(key)))
 
     def tensor(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole buffer as a 1-D tensor of ``dtype``."""
@@ -197,10 +202,38 @@ class FileMappedBuffer:
         """Take the pages of a byte range out of the process (``MADV_DONTNEED`` on a shared file
         mapping keeps their values); pages it shares with bytes outside the range too (they read
         back their values from the page cache). Returns the bytes dropped."""
-        end = self.nbytes if length is None else min(start + length, self.nbytes)
-        first = start // mmap.PAGESIZE * mmap.PAGESIZE
-        last = min(-(-end // mmap.PAGESIZE) * mmap.PAGESIZE, len(self._map))
-        if last <= first:
-            return 0
-        self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
-        return last - first
+        return _drop_shared(self._map, self.nbytes, start, self.nbytes if length is None else length)
+
+
+def _unregister(key: int) -> Callable[[object], None]:
+    def forget(_ref: object) -> None:
+        _FILE_BACKED.pop(key, None)
+
+    return forget
+
+
+def _drop_shared(mapping: mmap.mmap, nbytes: int, start: int, length: int) -> int:
+    end = min(start + length, nbytes)
+    first = start // mmap.PAGESIZE * mmap.PAGESIZE
+    last = min(-(-end // mmap.PAGESIZE) * mmap.PAGESIZE, len(mapping))
+    if last <= first:
+        return 0
+    mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
+    return last - first
+
+
+#: live file-backed mappings: id -> (address, bytes, the mapping), for :func:`drop_file_pages`
+_FILE_BACKED: dict[int, tuple[int, int, weakref.ReferenceType[mmap.mmap]]] = {}
+
+
+def drop_file_pages(t: torch.Tensor) -> int:
+    """Take ``t``'s pages out of the process when ``t`` lies in a :class:`FileMappedBuffer` (its
+    values stay, in the page cache); anything else is left alone. Returns the bytes dropped."""
+    if t.device.type != "cpu" or not t.numel() or not _FILE_BACKED:
+        return 0
+    start = t.data_ptr()
+    for base, nbytes, ref in list(_FILE_BACKED.values()):
+        mapping = ref()
+        if mapping is not None and base <= start < base + nbytes:
+            return _drop_shared(mapping, nbytes, start - base, t.numel() * t.element_size())
+    return 0

@@ -103,7 +103,7 @@ class MasterShard:
                 if not alias_params and not self.swapped:
                     # Copied from the full-precision values before the module is cast to a 16-bit
                     # dtype; a parameter built under zero.Init brings exactly this chunk along.
-                    view.copy_(self.initial_values(p))
+                    self.copy_initial(p, view)
                 master = torch.nn.Parameter(view)
                 self.views[p] = master
                 self.slices.append((master, b.index, off, e - s))
@@ -117,13 +117,20 @@ class MasterShard:
         chunk = getattr(p, INIT_CHUNK_ATTR, None)
         return chunk if chunk is not None else p.detach().reshape(-1)[s:e]
 
+    def copy_initial(self, p: torch.nn.Parameter, into: torch.Tensor) -> None:
+        """Copy ``p``'s initial values into ``into``; a ``zero.Init`` chunk in a file-backed
+        buffer (``remote_device="nvme"``) then leaves the process's memory again."""
+        values = self.initial_values(p)
+        into.copy_(values)
+        host_memory.drop_file_pages(values)
+
     def initial_flat(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A flat tensor of the layout holding the initial values in ``dtype`` (padding zero): the
         compute-dtype parameter shard when the masters themselves are swapped out."""
         out = torch.zeros(self.numel, dtype=dtype, device=device)
         for p, (_master, bucket, off, n) in zip(self.views, self.slices):
             a = self.buckets[bucket].start + off
-            out[a : a + n].copy_(self.initial_values(p))
+            self.copy_initial(p, out[a : a + n])
         return out
 
     def attach_grads(self, grads: list[torch.Tensor], skip: Collection[torch.nn.Parameter] = (),

@@ -66,8 +66,11 @@ class Init:
         self.remote = remote_device in ("cpu", "nvme")
         self.enabled = enabled
         self.group = data_parallel_group
-        self.dtype = dtype if dtype is not None else _config_dtype(
-            config_dict_or_path if config_dict_or_path is not None else config)
+        cfg = config_dict_or_path if config_dict_or_path is not None else config
+        self.dtype = dtype if dtype is not None else _config_dtype(cfg)
+        #: ``remote_device="nvme"`` with the config's ``offload_param.nvme_path``: the chunks are
+        #: written to file-backed buffers there as they are made, and leave the process's memory
+        self.spill_dir = _nvme_path(cfg) if remote_device == "nvme" else None
         self._handle: Any = None
         self._session: InitSession | None = None
         self._created: list[tuple[torch.nn.Module, str]] = []
@@ -94,7 +97,7 @@ class Init:
             self._outer = _OPEN[0]
             self._first = len(self._outer._created)
             return self
-        self._session = InitSession(self.group)
+        self._session = InitSession(self.group, self.spill_dir)
         self._handle = register_module_parameter_registration_hook(self._on_register)
         _OPEN.append(self)
         return self
@@ -199,6 +202,20 @@ def _config_dtype(config: Any) -> torch.dtype | None:
         if isinstance(block, Mapping) and block.get("enabled") is True:
             return dtype
     return None
+
+
+def _nvme_path(config: Any) -> str | None:
+    """``zero_optimization.offload_param.nvme_path`` of a config (``None`` without one)."""
+    if config is None:
+        return None
+    if hasattr(config, "zero_optimization"):  # a loaded ZeroshardConfig
+        path = config.zero_optimization.offload_param.nvme_path
+        return str(path) if path is not None else None
+    raw = read_config(config) if isinstance(config, (str, os.PathLike, Mapping)) else {}
+    zero = raw.get("zero_optimization")
+    block = zero.get("offload_param") if isinstance(zero, Mapping) else None
+    path = block.get("nvme_path") if isinstance(block, Mapping) else None
+    return str(path) if isinstance(path, (str, os.PathLike)) and os.path.isdir(path) else None
 
 
 #: The outermost ``zero.Init`` block open now, if any: torch's registration hook is process-wide,

@@ -69,8 +69,11 @@ class ChunkArena:
     engine copies the chunks into its own buffers).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, spill_dir: str | None = None) -> None:
         self._open: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, int]] = {}
+        #: ``zero.Init(remote_device="nvme")``: host slabs are file-backed buffers in this directory,
+        #: and each chunk's pages leave the process once written (:meth:`written`)
+        self.spill_dir = spill_dir
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialised 1-D tensor of ``numel`` elements carved from a slab."""
@@ -80,11 +83,21 @@ class ChunkArena:
         slab, used = self._open.get(key, (None, 0))
         if slab is None or used + numel > slab.numel():
             # A chunk larger than a slab gets a slab of its own (also a mapping of its own).
-            slab = torch.empty(max(SLAB_BYTES // item, numel), dtype=dtype, device=device)
+            size = max(SLAB_BYTES // item, numel)
+            if self.spill_dir is not None and device.type == "cpu":
+                slab = host_memory.FileMappedBuffer(self.spill_dir, size * item).tensor(dtype)
+            else:
+                slab = torch.empty(size, dtype=dtype, device=device)
             used = 0
         out = slab[used : used + numel]
         self._open[key] = (slab, -(-(used + numel) // align) * align)
         return out
+
+    def written(self, chunk: torch.Tensor) -> None:
+        """``chunk`` holds its values: with a spill directory its pages leave the process (they stay
+        in the page cache, and the file)."""
+        if self.spill_dir is not None:
+            host_memory.drop_file_pages(chunk)
 
     def close(self) -> None:
         """Forget the open slabs (their used parts stay alive through the chunks)."""
@@ -139,6 +152,7 @@ class ShardCore:
         s, e = self.layout.local_range(self.session.rank)
         slot = self._slot if self._slot is not None else self.session.arena.take(e - s, full.dtype, full.device)
         self.chunk, self._slot = slot.copy_(full.view(-1)[s:e]), None
+        self.session.arena.written(self.chunk)
         self.full = None
         del full
         self.session.chunk_bytes += self.chunk.numel() * self.chunk.element_size()
@@ -150,7 +164,7 @@ class InitSession:
     """State of one ``zero.Init`` context: the group and the full parameters cached now (the one
     last used, or every parameter of the operation running now)."""
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, spill_dir: str | None = None) -> None:
         self.group = group
         self.world = C.world_size(group)
         self.rank = C.rank(group)
@@ -158,7 +172,7 @@ class InitSession:
         #: cores read or written by the operation running now: none of them may collapse before
         #: it has run (``p.copy_(q)`` with both lazy needs both full at once)
         self.in_use: list[ShardCore] = []
-        self.arena = ChunkArena()
+        self.arena = ChunkArena(spill_dir)
         # The full tensors freed between chunks fragment glibc's heap: return the free pages
         # every few MiB, or the process grows by more than the model (see host_memory).
         self.trim = host_memory.TrimEvery(TRIM_BYTES)

@@ -238,6 +238,6 @@ def _initial_row(master: MasterShard, b: Bucket) -> torch.Tensor:
     """Bucket ``b``'s row of initial fp32 values (padding zero), from the parameters themselves."""
     row = torch.zeros(b.numel, dtype=torch.float32)
     for p, off in zip(b.params, b.offsets):
-        v = master.initial_values(p)
-        row[off : off + v.numel()].copy_(v)
+        n = master.ranges[p][1] - master.ranges[p][0]
+        master.copy_initial(p, row[off : off + n])
     return row

@@ -181,7 +181,7 @@ class SwappedStateStore(StateStore):
             for m, b, off, n in sg.slices:
                 p = param_of[id(m)]
                 a = self._local(sg, b, off)
-                row[a : a + n].copy_(self.master.initial_values(p))
+                self.master.copy_initial(p, row[a : a + n])
             self.io.write(self.files[MASTER], self.offsets[sg.index], row, what=self._what(MASTER, sg)).wait()
 
     # -- the step ------------------------------------------------------------------------------------

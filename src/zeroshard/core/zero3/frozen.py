@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from zeroshard.core import host_memory
 from zeroshard.core.offload import OffloadPolicy
 from zeroshard.core.offload.param_store import ParamShard, place_shard
 from zeroshard.core.offload.policy import Residency, place_of, should_pin, state_device
@@ -105,6 +106,7 @@ class FrozenShard:
             chunk = getattr(p, INIT_CHUNK_ATTR, None)
             values = chunk.reshape(-1)[: hi - lo] if chunk is not None else p.detach().reshape(-1)[lo:hi]
             row[off : off + hi - lo].copy_(values)
+            host_memory.drop_file_pages(values)  # a chunk of zero.Init(remote_device="nvme"): back to its file
             if chunk is not None:
                 delattr(p, INIT_CHUNK_ATTR)  # its slab is freed once none of its chunks is held
         return row
