@@ -173,13 +173,11 @@ TRAIN = Path(__file__).resolve().parents[1] / "cluster_train.py"
 
 
 def test_zeropp_quantization_cuts_the_bytes_on_the_link(cluster_1gbit: EmulatedCluster, tmp_path: Path) -> None:
-    """ZeRO stage 3 on 2 nodes x 2 ranks, fp32, 4 steps: with qwZ and qgZ the bytes that really cross
-    the veth (its counters, both directions) are at most 0.35x the plain run's, and the comms
-    logger saw the quantized collectives at both levels. Measured 0.303x: the int8 parameter
-    all-gathers (a quarter of fp32's, plus scales) still cross the link twice a step, forward and
-    backward, and dominate; hpZ, not built yet, would keep the backward one inside the node (the
-    issue's 0.3x is for all three techniques). The 4-bit gradient all-to-all across nodes carries
-    a quarter of what the one inside them does."""
+    """ZeRO stage 3 on 2 nodes x 2 ranks, fp32, 4 steps, units released after forward: with qwZ, qgZ
+    and hpZ the bytes that really cross the veth (its counters, both directions) are at most 0.3x
+    the plain run's (the issue's goal for the three together), and the comms logger saw collectives
+    at both levels. Without hpZ (an earlier version of this test, every unit kept through backward)
+    it was 0.303x: the int8 all-gathers crossed twice a step; hpZ keeps the backward one inside."""
     sent = {}
     for mode in ("plain", "quantized"):
         out = tmp_path / mode
@@ -193,6 +191,6 @@ def test_zeropp_quantization_cuts_the_bytes_on_the_link(cluster_1gbit: EmulatedC
     ratio = sent["quantized"][0] / sent["plain"][0]
     print(f"bytes on the link: plain {sent['plain'][0]}, quantized {sent['quantized'][0]} ({ratio:.3f}x); "
           f"logger levels {sent['quantized'][1]['levels']}")
-    assert ratio <= 0.35, sent
+    assert ratio <= 0.3, sent
     levels = sent["quantized"][1]["levels"]
     assert levels.get("across nodes", 0) > 0 and levels.get("inside nodes", 0) > 0, levels
