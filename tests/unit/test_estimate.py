@@ -537,8 +537,13 @@ def test_planner_chooses_cpu_offload_when_the_gpu_is_too_small(tmp_path: Path) -
                                  "-o", str(tmp_path / "none.json"))
     assert code == 1 and not (tmp_path / "none.json").exists()
     assert "no configuration fits" in err and "With NVMe offload it would fit" in err and "--nvme-gb" in err
+    # 32 GB: NVMe offload would fit (its host memory is the build's 15.65 GiB since the gradient
+    # shard spills to a file-backed buffer: it was above 32 GB before)
     code, _, err = _estimate_cli("--params", "7e9", "--gpus", "8", "--gpu-memory", "16GB", "--cpu-memory", "32GB")
-    assert code == 1 and "would fit on 16 GPUs" in err
+    assert code == 1 and "With NVMe offload it would fit" in err and "15.65 GiB of CPU memory" in err, err
+    # 12 GB: not even that; on 16 GPUs ZeRO-3 would fit the GPUs, but not the build's host memory
+    code, _, err = _estimate_cli("--params", "7e9", "--gpus", "8", "--gpu-memory", "16GB", "--cpu-memory", "12GB")
+    assert code == 1 and "on 16 GPUs ZeRO-3 would fit in GPU memory" in err, err
 
 
 def test_planner_prefers_fast_configs() -> None:
@@ -632,15 +637,15 @@ _BY_HAND = {
     (1, "nvme", "none"): {"parameters": {"device": 2 * 4000}, "gradients": {"device": 4 * 4 * 1000},
                           "parameter_shard": {"device": 2 * 1000}, "master_weights": {"file": _F},
                           "optimizer_states": {"file": 2 * _F, "pinned_host": 1000 * 4 * 3}},
-    (2, "nvme", "none"): {"parameters": {"device": 2 * 4000}, "gradients": {"pinned_host": 4 * 1000},
+    (2, "nvme", "none"): {"parameters": {"device": 2 * 4000}, "gradients": {"file": 4 * 1000},
                           "parameter_shard": {"device": 2 * 1000}, "master_weights": {"file": _F},
                           "optimizer_states": {"file": 2 * _F, "pinned_host": 1000 * 4 * 3}},
-    (3, "nvme", "none"): {"parameter_shard": {"device": 2 * 1000}, "gradients": {"pinned_host": 4 * 1000},
+    (3, "nvme", "none"): {"parameter_shard": {"device": 2 * 1000}, "gradients": {"file": 4 * 1000},
                           "master_weights": {"file": _F}, "optimizer_states": {"file": 2 * _F, "pinned_host": 12000}},
     # parameters in a file too: each unit's chunk (750 and 250 bf16) at an aligned offset, and 5
     # host buffers of the largest unit's chunk (750 elements)
     (3, "nvme", "nvme"): {"parameter_shard": {"file": 2 * 4096, "pinned_host": 5 * 750 * 2},
-                          "gradients": {"pinned_host": 4 * 1000}, "master_weights": {"file": _F},
+                          "gradients": {"file": 4 * 1000}, "master_weights": {"file": _F},
                           "optimizer_states": {"file": 2 * _F, "pinned_host": 12000}},
 }
 
@@ -661,14 +666,14 @@ def test_offload_placement_knobs_and_fp32() -> None:
     assert got.kinds["master_weights"] == {"file": 2 * 4096}
     unpinned = placement(TINY, 3, 4, "bf16", "fp32", Offload("nvme", pin_memory=False), persistence_threshold=100)
     assert unpinned.kinds["optimizer_states"] == {"file": 2 * _F, "host": 12000}
-    assert unpinned.kinds["gradients"] == {"pinned_host": 4000}  # the gradient shard is pinned regardless
+    assert unpinned.kinds["gradients"] == {"file": 4000}  # NVMe: the shard is a file-backed buffer
     # fp32 with an accelerator: the masters are a host copy of the parameters
     fp32 = placement(TINY, 2, 4, "fp32", "fp32", Offload("cpu"))
     assert fp32.kinds == {"parameters": {"device": 4 * 4000}, "gradients": {"pinned_host": 4000},
                           "master_weights": {"pinned_host": 4000}, "optimizer_states": {"host": 8000}}
     # without one, they are the parameters themselves (no master bytes, no master file)
     cpu_only = placement(TINY, 2, 4, "fp32", "fp32", Offload("nvme"), accelerator=False)
-    assert cpu_only.kinds == {"parameters": {"host": 4 * 4000}, "gradients": {"host": 4000},
+    assert cpu_only.kinds == {"parameters": {"host": 4 * 4000}, "gradients": {"file": 4000},
                               "optimizer_states": {"file": 2 * _F, "host": 1000 * 4 * 2}}
     # On 3 ranks each parameter is padded to a multiple of 3: S = 1000 + 334; stage 1's accumulator holds 3 rows
     padded = placement(TINY, 1, 3, "bf16", "fp32", Offload("cpu", pin_memory=False))
@@ -703,11 +708,11 @@ def test_planner_chooses_nvme_when_host_memory_is_too_small(tmp_path: Path) -> N
     out = tmp_path / "c.json"
     swap = tmp_path / "swap"
     swap.mkdir()
-    args = ["--params", "7e9", "--gpus", "8", "--gpu-memory", "16GB", "--cpu-memory", "100GB"]
+    args = ["--params", "7e9", "--gpus", "8", "--gpu-memory", "16GB", "--cpu-memory", "80GB"]
     code, text, err = _estimate_cli(*args, "--nvme-gb", "500", "--nvme-path", str(swap), "-o", str(out))
     assert code == 0, err
-    # CPU offload needs 112 GB of host memory per node here; with sub-groups of 1e9 elements the NVMe
-    # swap buffers would too, so the planner takes 1e8.
+    # CPU offload needs 117 GiB of host memory per node here; with sub-groups of 1e9 elements the NVMe
+    # swap buffers need 78 GiB (84 GB), so the planner takes 1e8 (31 GiB).
     assert "chosen: ZeRO stage 3, offload optimizer->nvme" in text and "NVMe per node" in text
     config = load_config(out, world_size=8)
     z = config.zero_optimization

@@ -269,9 +269,12 @@ def placement(spec: ModelSpec, stage: int, world: int, dtype: str = "bf16", grad
 
 def _gradients(add: _Add, stage: int, world: int, shard_bytes: int, off: Offload, where: _Places) -> None:
     """Stage 0: the whole accumulator; stage 1: every rank's rows (reduce-scattered at the
-    boundary); stages 2-3: this rank's shard, in pinned host memory next to an offloaded step."""
+    boundary); stages 2-3: this rank's shard, in pinned host memory next to an offloaded step, or
+    with NVMe in a file-backed buffer whose pages the process holds only while it uses them."""
     if stage <= 1:
         add("gradients", where.device, shard_bytes * (world if stage == 1 else 1))
+    elif off.optimizer == "nvme":
+        add("gradients", "file", shard_bytes)
     else:
         add("gradients", where.device if off.optimizer == "none" else where.pinned, shard_bytes)
 
