@@ -44,7 +44,8 @@ STEPS, SAVE_EVERY, PAUSE_AT, PAUSE_S, FAULT_AFTER_S = 10, 3, 7, 3.0, 1.5
 START_S = 180.0   # starting 4 ranks on the 2-core machine, under load
 
 _ok, _why = available()
-pytestmark = pytest.mark.skipif(not _ok, reason=_why or "emulated cluster available")
+pytestmark = [pytest.mark.skipif(not _ok, reason=_why or "emulated cluster available"),
+              pytest.mark.slow]  # about 2.5 minutes, mostly collective timeouts: `bash scripts/test.sh -m slow`
 
 
 def _args(out: Path, ckpt: Path, *extra: str) -> list[str]:
