@@ -92,9 +92,10 @@ def _train(cfg: dict[str, Any], rank: int, world: int) -> tuple[list[torch.Tenso
         for m in range(GA):
             i = ((step * GA + m) * world + rank) * MB
             out = engine(x[i : i + MB], _uses_extra(step))
-            before = io.bytes_read if io is not None else 0
+            # Reads started during backward (requested, not finished: a busy disk finishes them later)
+            before = io.bytes_read_requested if io is not None else 0
             engine.backward(F.mse_loss(out.float(), y[i : i + MB]))
-            read_in_backward += (io.bytes_read - before) if io is not None else 0
+            read_in_backward += (io.bytes_read_requested - before) if io is not None else 0
             engine.step()
     weights = [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()]  # type: ignore[union-attr]
     placement = dict(engine.optimizer.memory_placement(), read_in_backward=read_in_backward)

@@ -179,6 +179,8 @@ class AsyncIO:
 
     Attributes:
         bytes_read: bytes delivered into tensors by finished read chunks, since construction.
+        bytes_read_requested: bytes of the read requests submitted, since construction (what was
+            asked for when, whatever the disk's speed).
         bytes_written: bytes of tensors written by finished write chunks (padding not counted).
         busy_seconds: wall time during which at least one transfer was running, since
             construction: with the byte counters, the bandwidth the disk delivered to this engine
@@ -199,6 +201,7 @@ class AsyncIO:
             raise ConfigError(f"must be at least 1, got {threads}", key="aio.intra_op_parallelism")
         self.block_size, self.queue_depth, self.threads = block_size, queue_depth, threads
         self.bytes_read = 0
+        self.bytes_read_requested = 0
         self.bytes_written = 0
         self.busy_seconds = 0.0
         self._running = 0
@@ -222,6 +225,7 @@ class AsyncIO:
         """Start filling the contiguous CPU tensor ``out`` from bytes ``[offset, offset + out.nbytes)``
         of ``file``, once every request in ``after`` has ended (successfully or not: their errors
         stay with their own handles)."""
+        self.bytes_read_requested += out.numel() * out.element_size()
         return self._submit("read", file, offset, out, what, after)
 
     def write(self, file: SwapFile, offset: int, src: torch.Tensor, *, what: str = "",
