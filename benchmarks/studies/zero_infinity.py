@@ -261,8 +261,9 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     setup = _gather([build_s, init_s, *rss_build, *rss_init, *(top_build.get(k, 0) for k in _STATUS[:4]),
                      *(top_init.get(k, 0) for k in _STATUS[:4])])
     placement = engine.optimizer.memory_placement()  # after a step: the optimizer state exists
+    breakdown = engine.optimizer.memory_breakdown()  # comm_workspace: the reduce buckets' pool
     engine.destroy()  # removes the swap files
-    return {"numel": numel, "setup": setup, "steps": steps, "placement": placement}
+    return {"numel": numel, "setup": setup, "steps": steps, "placement": placement, "breakdown": breakdown}
 
 
 class _SystemSampler(_Sampler):
@@ -351,7 +352,8 @@ def details(args: argparse.Namespace, run: dict[str, Any], ram: int) -> list[str
         f"{max(x[1] for x in setup):.1f} s, RSS after it " + ", ".join(_g(x[4]) for x in setup) + ", its peak "
         + ", ".join(_g(x[5]) for x in setup) + " GiB (rank 0: " + comp(setup[0][10:14]) + ")",
         "- Rank 0's `memory_placement()` (GiB): " + "; ".join(
-            f"{k}: " + ", ".join(f"{p} {_g(b)}" for p, b in v.items()) for k, v in r["placement"].items() if v),
+            f"{k}: " + ", ".join(f"{p} {_g(b)}" for p, b in v.items()) for k, v in r["placement"].items() if v)
+        + "; `memory_breakdown()` in memory: " + ", ".join(f"{k} {_g(v)}" for k, v in r["breakdown"].items()),
         "- System over the run (`/proc/meminfo`, every 0.5 s; other jobs included), from the start to the highest "
         f"sample: Dirty {_g(sy['first']['Dirty'])} → {_g(sy['max']['Dirty'])}, Writeback up to "
         f"{_g(sy['max']['Writeback'])}, Cached {_g(sy['first']['Cached'])} → {_g(sy['max']['Cached'])}, MemAvailable "
