@@ -17,6 +17,20 @@ from benchmarks.harness.tables import markdown, rel_path
 REPO = Path(__file__).resolve().parents[2]
 
 
+def kept_notes(path: Path, heading: str) -> str:
+    """The hand-written analysis of an earlier results file at ``path`` (from its ``heading`` line
+    on, e.g. ``"\n## Notes"``), kept under the new tables with the date of the run it was written for."""
+    if not path.exists():
+        return ""
+    old = path.read_text()
+    at = old.find(heading)
+    if at < 0:
+        return ""
+    date = next((line.split(";")[0] for line in old.splitlines() if line.startswith("- Date:")), "")
+    return (f"\n_The notes below were written for an earlier run ({date.removeprefix('- Date: ')}); "
+            "check them against the figures above._\n" + old[at:])
+
+
 def default_markdown(device: str, out: Path) -> Path:
     """``benchmarks/RESULTS.md`` for CPU runs, ``<out>/RESULTS-<device>.md`` otherwise."""
     return REPO / "benchmarks" / "RESULTS.md" if device == "cpu" else out / f"RESULTS-{device}.md"

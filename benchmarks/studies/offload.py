@@ -407,20 +407,6 @@ def markdown(runs: dict[tuple[str, Variant], dict[str, Any]], args: argparse.Nam
 NOTES = "\n## What limits each"
 
 
-def kept_notes(path: Path) -> str:
-    """The hand-written analysis of an earlier results file (from its ``## What limits each`` heading
-    on), kept under the new tables with the date of the run it was written for."""
-    if not path.exists():
-        return ""
-    old = path.read_text()
-    at = old.find(NOTES)
-    if at < 0:
-        return ""
-    date = next((line.split(";")[0] for line in old.splitlines() if line.startswith("- Date:")), "")
-    return (f"\n_The notes below were written for an earlier run ({date.removeprefix('- Date: ')}); "
-            "check them against the figures above._\n" + old[at:])
-
-
 def _merge(reps: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     """Repeats of one run: measured steps pooled (median), CPU time median, the largest peak RSS; the
     I/O bytes of the first (every repeat moves the same bytes)."""
@@ -511,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in runs.values():
         if r["status"] == "ok":
             r["io_bound_s"] = r["io_per_step"][0] / (rb * GiB) + r["io_per_step"][1] / (wb * GiB)
-    text = markdown(runs, args, bandwidth, (loads[0], loads[-1])) + kept_notes(args.out)
+    from benchmarks.harness.report import kept_notes
+    text = markdown(runs, args, bandwidth, (loads[0], loads[-1])) + kept_notes(args.out, NOTES)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text)

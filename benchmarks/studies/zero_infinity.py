@@ -456,7 +456,8 @@ def run_size(args: argparse.Namespace, layers: int, ram: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Check the disk, measure it, train each size, report."""
-    from benchmarks.studies.offload import kept_notes
+    from benchmarks.harness.report import kept_notes
+    from benchmarks.studies.offload import NOTES
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=28)
@@ -488,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = [run_size(args, n, ram) for n in layers]
     if all("skipped" in run for run in runs):
         return 1
-    text = report(args, runs, ram, time.monotonic() - t) + kept_notes(args.out)
+    text = report(args, runs, ram, time.monotonic() - t) + kept_notes(args.out, NOTES)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text)

@@ -674,19 +674,6 @@ def markdown(args: argparse.Namespace, res: dict[str, dict[str, Any]], machine: 
 NOTES = "\n## Notes"
 
 
-def kept_notes(path: Path) -> str:
-    """The hand-written ``## Notes`` of an earlier results file, kept with the date they were written for."""
-    if not path.exists():
-        return ""
-    old = path.read_text()
-    at = old.find(NOTES)
-    if at < 0:
-        return ""
-    date = next((line.split(";")[0] for line in old.splitlines() if line.startswith("- Date:")), "")
-    return (f"\n_The notes below were written for an earlier run ({date.removeprefix('- Date: ')}); "
-            "check them against the figures above._\n" + old[at:])
-
-
 def _names(text: str, known: dict[str, Any]) -> list[str]:
     names = [v for v in text.split(",") if v]
     bad = [v for v in names if v not in known]
@@ -777,7 +764,8 @@ def main(argv: list[str] | None = None) -> int:
              f"ranks, micro batch {args.micro_batch} × {args.seq_len} tokens per rank")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     note = draw(res["parity"], png, title)
-    text = markdown(args, res, machine, loads, png, note) + kept_notes(args.out)
+    from benchmarks.harness.report import kept_notes
+    text = markdown(args, res, machine, loads, png, note) + kept_notes(args.out, NOTES)
     args.out.write_text(text)
     print(text)
     print(f"wrote {args.out}" + ("" if note else f" and {png}"))
