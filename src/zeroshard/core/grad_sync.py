@@ -131,6 +131,10 @@ class GradSync:
     def release_pages(self, t: torch.Tensor) -> None:
         """Take the pages of ``t``, a view of the gradient shard, out of the process (spilled only)."""
 
+    def spilled_bytes(self) -> int:
+        """Bytes of the gradient shard in a file-backed buffer (0 unless spilled)."""
+        return 0
+
     def _across_replicas(self, row: torch.Tensor) -> torch.Tensor:
         """Hybrid sharding: ``row`` reduced inside this group, summed over the replicas too."""
         if self.replicate is not None:

@@ -424,7 +424,7 @@ class ZeroOptimizer:
         pinned = acc_device.type == "cpu" and self.device.type != "cpu" and torch.cuda.is_available()
         out["gradients"] = {"device" if acc_device.type != "cpu" else ("pinned_host" if pinned else "host"):
                             self.sync.bytes_held()}
-        spilled = getattr(self.sync, "spilled_bytes", lambda: 0)()
+        spilled = self.sync.spilled_bytes()
         if spilled:  # NVMe: a file-backed buffer whose pages are in the process only while used
             out["gradients"] = {"file": spilled}
         if self.master.pack_source is not self.master.flat:  # stages 1-2 with the masters in files
