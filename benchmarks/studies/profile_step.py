@@ -1,6 +1,6 @@
 """Profile one system's training step with torch.profiler, on every rank, and print rank 0's top ops.
 
-    python benchmarks/studies/profile_step.py --system zeroshard --stage 1 [--size 25m] [--steps 4]
+    python benchmarks/studies/profile_step.py --system zeroshard --stage 1 [--size 25m] [--steps 4] [--grad-accum 2]
 
 Runs one benchmark job (same workload as ``run.py``) with ``BENCH_PROFILE`` set; tables and Chrome
 traces land in ``benchmarks/out/profile/<job>/`` (open the traces in https://ui.perfetto.dev).
@@ -29,9 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4, help="profiled steps after 2 warm-up steps")
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--grad-accum", type=int, default=1)
     args = p.parse_args(argv)
     stage = FIXED_STAGE.get(args.system, args.stage if args.stage is not None else 0)
-    wl = Workload(micro_batch=args.micro_batch, seq_len=args.seq_len, warmup_steps=2, measure_steps=args.steps)
+    wl = Workload(micro_batch=args.micro_batch, seq_len=args.seq_len, grad_accum=args.grad_accum,
+                  warmup_steps=2, measure_steps=args.steps)
     job = Job(args.system, stage, args.size, workload=wl)
     out = REPO / "benchmarks" / "out" / "profile" / job.key
     r = run_job(job, REPO / "benchmarks" / "out" / "profile-runs", 900, extra_env={"BENCH_PROFILE": str(out)})

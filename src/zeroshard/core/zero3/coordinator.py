@@ -15,7 +15,10 @@ under ``stage3_max_live_parameters`` and are evicted least-recently-used beyond 
 (the modules running now, and units gathered for backward) are never evicted, nor is the most
 recently used one. So a small model
 stays gathered across forward and backward (no re-gather), parameters used outside their module
-(a tied head in the loss) remain readable, and a large model is bounded by the budget.
+(a tied head in the loss) remain readable, and a large model is bounded by the budget. When the
+budget holds every unit, a backward that does not end the accumulation window releases nothing:
+no step can change the parameters before the next micro-step's forward, which then gathers
+nothing (a window of k micro-steps gathers the model once; the window's last backward releases).
 
 Units of frozen parameters (no gradient, never updated) stay gathered from one step to the next
 while the live budget holds them, and are evicted like the others when it does not.
@@ -135,6 +138,11 @@ class ParamCoordinator:
         #: beyond any module's hooks, so they stay gathered until the end of the pass
         self._held_for_graph: set[ParamUnit] = set()
         self._in_backward = False
+        #: this backward does not end the accumulation window and the live budget holds every unit:
+        #: units stay gathered into the next micro-step's forward (the values cannot change before
+        #: the step), instead of being released and gathered again
+        self._hold = False
+        self._sharded_numel = sum(u.numel for u in units if not u.persistent)
         self.peak_gathered_numel = 0
         self._handles: list[Any] = []
         #: an engine that never trains (no optimizer: a reference or reward model) ends the pass of
@@ -493,11 +501,19 @@ class ParamCoordinator:
                     continue
             self.release(u, free_storage=False)
 
+    def start_backward(self, boundary: bool) -> None:
+        """Before a backward: whether it ends the accumulation window (see :attr:`_hold`)."""
+        self._hold = not boundary and self._sharded_numel <= self.max_live_numel
+
     def unit_grads_done(self, u: ParamUnit) -> None:
         """Backward produced all of ``u``'s gradients: its parameters are not needed again this pass
-        (unless a graph built in backward saved them)."""
-        if u not in self._held_for_graph:
-            self.release(u)
+        (unless a graph built in backward saved them, or the window goes on: :attr:`_hold`)."""
+        if u in self._held_for_graph:
+            return
+        if self._hold:
+            self.pinned.pop(u, None)
+            return
+        self.release(u)
 
     def end_of_pass(self, keep_frozen: bool = True) -> None:
         """After backward: release everything not persistent, except with ``keep_frozen`` the
@@ -508,12 +524,14 @@ class ParamCoordinator:
         keep: set[ParamUnit] = set()
         room = self.max_live_numel if keep_frozen else 0
         for u in reversed(self.live):  # the most recently used first
-            if u.frozen and u.state is UnitState.GATHERED and u.numel <= room:
+            if (u.frozen or self._hold) and u.state is UnitState.GATHERED and u.numel <= room:
                 keep.add(u)
                 room -= u.numel
         for u in list(self.live):
             if u not in keep:
                 self.release(u)
+            elif self._hold:
+                u.check_unmodified()
         self.pinned.clear()
         if self.recording:
             if self._departed or self.cursor != len(self.trace):
@@ -524,6 +542,7 @@ class ParamCoordinator:
         self._ahead.clear()
         self._forward_calls = []
         self._in_backward = False
+        self._hold = False
         self.cursor = 0
 
     def gather_persistent(self) -> None:

@@ -76,6 +76,10 @@ class RowLender:
         self.lent_bytes += freed
         self.peak_lent_bytes = max(self.peak_lent_bytes, self.lent_bytes)
 
+    def holds(self, u: ParamUnit) -> bool:
+        """Whether ``u``'s row is lent now."""
+        return u in self.lent
+
     def reclaim(self, u: ParamUnit) -> None:
         """Rewrite ``u``'s row of the shard from its gathered tensors (no-op unless lent)."""
         entry = self.lent.pop(u, None)
@@ -89,17 +93,29 @@ class RowLender:
             with torch.no_grad():
                 shard.copy_(u.own_row(self.rank))
             return
+        self._check_unmodified(u, versions)
         with torch.no_grad():
-            for p, layout, off, version in zip(u.params, u.bucket.layouts, u.bucket.offsets, versions):
-                if p._version != version:
-                    raise ZeroshardError(
-                        f"ZeRO-3 parameter {self.names.get(p, u.name)!r} was modified in place while gathered for "
-                        "training; such changes are not written back (use GatheredParameters(params, "
-                        "modifier_rank=...) outside forward), and in fp32 on the CPU this rank's chunk of its shard "
-                        "lives in the gathered tensor meanwhile, so its value is lost. Set ZEROSHARD_HOST_MAPPED=0 "
-                        "to keep a separate copy of the shard while gathered")
+            for p, layout, off in zip(u.params, u.bucket.layouts, u.bucket.offsets):
                 s, e = layout.local_range(self.rank)
                 shard[off : off + (e - s)].copy_(p.data.reshape(-1)[s:e])
+
+    def check_unmodified(self, u: ParamUnit) -> None:
+        """Raise if a parameter of ``u`` was changed in place since its row was lent (a unit kept
+        gathered into the next micro-step is checked at the end of each backward, not only when
+        released)."""
+        entry = self.lent.get(u)
+        if entry is not None:
+            self._check_unmodified(u, entry[1])
+
+    def _check_unmodified(self, u: ParamUnit, versions: list[int]) -> None:
+        for p, version in zip(u.params, versions):
+            if p._version != version:
+                raise ZeroshardError(
+                    f"ZeRO-3 parameter {self.names.get(p, u.name)!r} was modified in place while gathered for "
+                    "training; such changes are not written back (use GatheredParameters(params, "
+                    "modifier_rank=...) outside forward), and in fp32 on the CPU this rank's chunk of its shard "
+                    "lives in the gathered tensor meanwhile, so its value is lost. Set ZEROSHARD_HOST_MAPPED=0 "
+                    "to keep a separate copy of the shard while gathered")
 
     def reclaim_all(self) -> None:
         """Rewrite every lent row (before the masters are read or written)."""

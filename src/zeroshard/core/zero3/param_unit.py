@@ -105,6 +105,8 @@ class ParamUnit:
         self.gather_what = f"all-gather of ZeRO-3 unit {name!r}"  # for errors; built once, not per gather
         self._state = UnitState.SHARDED
         self.shapes = [full_shape(p) for p in bucket.params]
+        #: elements of the unit's gathered parameters (read on every fetch and prefetch: not re-summed)
+        self.numel = sum(layout.numel for layout in bucket.layouts)
         #: a unit of one parameter (a linear layer without bias, an embedding): every rank's row,
         #: end to end, is the flattened parameter and its padding, so the all-gather lands in the
         #: full tensor's own storage, with no buffer to copy out of
@@ -164,11 +166,6 @@ class ParamUnit:
     def params(self) -> list[torch.nn.Parameter]:
         """The unit's parameters, in layout order."""
         return self.bucket.params
-
-    @property
-    def numel(self) -> int:
-        """Elements of the unit's gathered parameters."""
-        return sum(p_layout.numel for p_layout in self.bucket.layouts)
 
     @_outside_inference_mode
     def launch_gather(self, exact: bool = False) -> None:
@@ -263,6 +260,9 @@ class ParamUnit:
         gather for training), the shard's row may be handed to them until the unit is released."""
         if self.state is UnitState.SHARDED:
             self.launch_gather()
+        if self.state is UnitState.GATHERED and lend and self.lender is not None and not self.lender.holds(self):
+            # still gathered from the last micro-step (its row read back since: a checkpoint, safe_get_*)
+            self.lender.lend(self)
         if self.state is not UnitState.GATHERING:
             return
         if self._read is not None:
@@ -377,6 +377,11 @@ class ParamUnit:
         row = self._read_row()
         row[off : off + values.numel()].copy_(values)
         self.swap.write(self.bucket.index, row)
+
+    def check_unmodified(self) -> None:
+        """Raise if a parameter was changed in place while this unit's row is lent (see lent_rows)."""
+        if self.lender is not None:
+            self.lender.check_unmodified(self)
 
     def reclaim(self) -> None:
         """Make the shard hold this unit's row again if it was lent to the gathered tensors."""

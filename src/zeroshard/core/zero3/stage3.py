@@ -124,6 +124,7 @@ class Stage3Optimizer(ZeroOptimizer):
     def start_backward(self, boundary: bool) -> None:
         """Count the gradients each unit still waits for in this backward."""
         super().start_backward(boundary)
+        self.coordinator.start_backward(boundary)
         self._grads.start()
 
     def _backward_reads_parameter_files(self) -> bool:
