@@ -221,6 +221,10 @@ def initialize(
         raise
     if C.rank(group) == 0:
         warn_no_effect(cfg)
+        oo = cfg.zero_optimization.offload_optimizer
+        if oo.ratio < 1.0 and oo.device == "none":  # DeepSpeed ignores it too
+            logger.warning("zeroshard: zero_optimization.offload_optimizer.ratio = %r has no effect without "
+                           'offload_optimizer.device "cpu": all of the optimizer state stays on the device', oo.ratio)
         if cfg.dump_state:  # DeepSpeed's dump_state: the engine's settings after initialization
             logger.info("zeroshard: dump_state: %s", json.dumps(to_dict(cfg), indent=2, sort_keys=True))
     n_trained = sum(full_numel(p) for p in zero_opt.master.views)

@@ -10,6 +10,8 @@ files per node, for each stage with and without optimizer and parameter offload.
 ``--gpu-memory`` the fastest configuration that fits (without offload, else with CPU offload,
 else, given ``--nvme-gb``, with NVMe offload under ``--nvme-path``) is printed as a DeepSpeed
 config, or written to ``-o PATH``; when none fits the command says why and exits with 1.
+``--offload-ratio R`` adds a stage-3 row with that fraction of the optimizer state offloaded to the
+CPU (``offload_optimizer.ratio``), in sub-groups of ``--sub-group-size`` elements.
 Bad arguments exit with 2 and a message naming them.
 """
 
@@ -65,6 +67,13 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--hpz", type=int, default=1, metavar="H",
                    help="ZeRO++ hpZ's zero_hpz_partition_size: stage 3 rows count its secondary shards (1/H of "
                         "the gathered parameters per GPU); a divisor of --gpus (default 1: off)")
+    p.add_argument("--offload-ratio", type=float, metavar="R",
+                   help="also show stage 3 with this fraction of the optimizer state offloaded to the CPU "
+                        "(offload_optimizer.ratio, ZeRO-Offload++: the first int((1 - R) x sub-groups) stay on "
+                        "the GPU); below 1")
+    p.add_argument("--sub-group-size", metavar="N",
+                   help="with --offload-ratio: zero_optimization.sub_group_size, elements per optimizer "
+                        "sub-group (default DeepSpeed's 1e9: a smaller shard is one sub-group, all offloaded)")
     p.add_argument("--gpu-memory", metavar="SIZE", help="memory per GPU: pick the fastest config that fits")
     p.add_argument("--cpu-memory", metavar="SIZE", help="CPU memory per node the config must fit (with --gpu-memory)")
     p.add_argument("--nvme-gb", type=float, metavar="GB",
@@ -131,6 +140,15 @@ def _spec(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ModelSpe
     return spec_from_hf_config(model)
 
 
+def _sub_group_size(text: str | None) -> int | None:
+    """``--sub-group-size`` as a count of at least 1 (``None`` when not given)."""
+    if text is None:
+        return None
+    from zeroshard.estimate.model_spec import parse_count
+
+    return parse_count(text, "--sub-group-size")  # at least 1
+
+
 def _check_numbers(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     for option, value in (("--gpus", args.gpus), ("--nodes", args.nodes), ("--micro-batch", args.micro_batch),
                           ("--seq-len", args.seq_len)):
@@ -146,6 +164,11 @@ def _check_numbers(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
             parser.error(f"argument {option}: only used with --gpu-memory (planning)")
     if args.nvme_gb is not None and not 0 < args.nvme_gb < 1e9:
         parser.error(f"argument --nvme-gb: must be a number of GB above 0, got {args.nvme_gb:g}")
+    if args.offload_ratio is not None and not 0 <= args.offload_ratio < 1:
+        parser.error(f"argument --offload-ratio: must be in [0, 1) (1 offloads all of it: the optimizer->cpu row), "
+                     f"got {args.offload_ratio:g}")
+    if args.sub_group_size is not None and args.offload_ratio is None:
+        parser.error("argument --sub-group-size: only used with --offload-ratio")
     if args.nvme_path is not None and args.nvme_gb is None:
         parser.error("argument --nvme-path: give the disk budget per node with --nvme-gb too "
                      "(NVMe offload is considered only with a budget)")
@@ -162,6 +185,7 @@ def main(argv: Sequence[str], prog: str = "zeroshard estimate") -> int:
         gpu_memory = parse_memory(args.gpu_memory, "--gpu-memory") if args.gpu_memory else None
         cpu_memory = parse_memory(args.cpu_memory, "--cpu-memory") if args.cpu_memory else None
         activation_bytes = parse_memory(args.activation_bytes, "--activation-bytes") if args.activation_bytes else None
+        sub_group_size = _sub_group_size(args.sub_group_size)
         spec = _spec(args, parser)
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
@@ -181,7 +205,7 @@ def main(argv: Sequence[str], prog: str = "zeroshard estimate") -> int:
     hardware = Hardware(args.gpus, args.nodes, gpu_memory, cpu_memory, nvme_memory)
     training = Training(args.dtype, args.grad_accum_dtype, args.micro_batch, seq_len, args.attention, activation_bytes,
                         hpz_partition_size=args.hpz)
-    print(render_estimate(estimate(spec, hardware, training)))
+    print(render_estimate(estimate(spec, hardware, training, args.offload_ratio, sub_group_size)))
     for n in notes:
         print(n)
     if args.deepspeed:

@@ -105,7 +105,14 @@ def _check_consistency(cfg: ZeroshardConfig) -> None:
     if zero.offload_optimizer.ratio < 1.0 and zero.stage != 3:
         raise ConfigError(
             f"partial optimizer offload (ratio {zero.offload_optimizer.ratio}) requires ZeRO stage 3, "
-            f"not stage {zero.stage}",
+            f"not stage {zero.stage} (as in DeepSpeed)",
+            key="zero_optimization.offload_optimizer.ratio",
+        )
+    if zero.offload_optimizer.ratio < 1.0 and zero.offload_optimizer.device == "nvme":
+        raise ConfigError(
+            f"partial optimizer offload (ratio {zero.offload_optimizer.ratio}) splits the optimizer state between "
+            'the device and host memory: it needs offload_optimizer.device "cpu", not "nvme" (DeepSpeed 0.19.8 '
+            "then swaps sub-groups by size, whatever the ratio)",
             key="zero_optimization.offload_optimizer.ratio",
         )
     if zero.offload_optimizer.device != "none" and zero.stage == 0:

@@ -51,7 +51,7 @@ CONSUMERS: dict[str, str] = {
     _Z + "offload_optimizer.nvme_path": "core/offload/policy.py",
     _Z + "offload_optimizer.pin_memory": "core/offload/policy.py",
     _Z + "offload_optimizer.buffer_count": "core/offload/policy.py",
-    _Z + "offload_optimizer.ratio": "config/support.py",
+    _Z + "offload_optimizer.ratio": "core/offload/policy.py",
     _Z + "offload_param.device": "core/offload/policy.py",
     _Z + "offload_param.nvme_path": "core/offload/policy.py",
     _Z + "offload_param.pin_memory": "core/offload/policy.py",

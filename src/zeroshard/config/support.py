@@ -34,16 +34,8 @@ class NotYetSupported(NamedTuple):
         return f"{self.feature} is not yet supported (planned: {self.issue})"
 
 
-def _partial(ratio: float) -> bool:
-    return ratio < 1.0
-
-
 # fmt: off
-NOT_YET_SUPPORTED: list[NotYetSupported] = [
-    NotYetSupported("zero_optimization.offload_optimizer.ratio", _partial,
-                    "partial optimizer offload (ratio below 1.0; offload all of it or none)",
-                    "a later offload release"),
-]
+NOT_YET_SUPPORTED: list[NotYetSupported] = []
 """Features not supported yet, checked in order by :func:`check_supported`. Delete a row when its feature
 lands."""
 # fmt: on

@@ -40,7 +40,8 @@ class OffloadOptimizerConfig(ConfigModel):
     """Fast optimizer initialization when offloading to NVMe."""
 
     ratio: Float = Field(default=1.0, ge=0.0, le=1.0)
-    """Fraction of optimizer state to offload; values below 1.0 are only valid with ZeRO stage 3."""
+    """Fraction of the optimizer's sub-groups offloaded (ZeRO-Offload++): below 1.0 the leading ones stay on
+    the device. Only with ZeRO stage 3 and ``device: cpu`` (DeepSpeed's meaning and rounding)."""
 
 
 class OffloadParamConfig(ConfigModel):

@@ -31,11 +31,12 @@ from zeroshard.core.grad_sync import (
     GradSync,
     MicroStepReduceScatterSync,
 )
-from zeroshard.core.master import MasterShard
+from zeroshard.core.master import KeptPrefix, MasterShard
 from zeroshard.core.offload import OffloadPolicy, Residency
 from zeroshard.core.offload.factory import make_state_store, optimizer_state_device
 from zeroshard.core.offload.param_store import ParamShard, make_param_shard
 from zeroshard.core.offload.policy import should_pin
+from zeroshard.core.offload.state_store import subgroup_runs
 from zeroshard.core.offload.swapped_store import SwappedStateStore
 from zeroshard.core.partition import Bucket, buckets_from_groups, buffer_numel, make_buckets, merge_buckets
 from zeroshard.core.plan import GradReduction, StagePlan, make_plan
@@ -66,7 +67,7 @@ def plan_for(spec: StageSpec, policy: PrecisionPolicy, offload: OffloadPolicy, d
     """The plan of the stage ``spec`` asks for, on ``device`` with ``world`` ranks."""
     return make_plan(spec.stage, world, policy.param_dtype == torch.float32, offload.optimizer, offload.params,
                      accelerator=device.type != "cpu", quantized_weights=spec.quantized_weights,
-                     secondary_shards=spec.hpz_partition_size > 1)
+                     secondary_shards=spec.hpz_partition_size > 1, split_masters=offload.partial)
 
 
 def build_stage(module: torch.nn.Module, param_groups: list[dict[str, Any]], spec: StageSpec,
@@ -104,16 +105,18 @@ def build_stage(module: torch.nn.Module, param_groups: list[dict[str, Any]], spe
     rank = C.rank(group)
     master_device = optimizer_state_device(offload, device)
     pin = should_pin(offload.pin_memory, device)
+    # Partial offload: each sub-group's residency, decided once; the masters are split to match.
+    residencies, kept = _optimizer_split(buckets, offload, device, rank) if plan.masters_split else (None, None)
     master = MasterShard(buckets, rank if plan.layout_world > 1 else 0, master_device,
                          alias_params=plan.masters_alias_params, swapped=plan.masters_swapped, pin=pin,
                          droppable=plan.lends_rows, comm_device=device,
-                         pack_dtype=policy.param_dtype if plan.compute_copy else None)
+                         pack_dtype=policy.param_dtype if plan.compute_copy else None, kept=kept)
     sync_args = (group, policy, device, spec.overlap_comm)
     quantized = _quantized_reduction(group, device) if spec.quantized_gradients else None
     with ExitStack() as undo:  # closes what was built if a later part fails
         if not plan.shards_parameters:
             publish = functools.partial(_copy_range, master.pack_source) if plan.compute_copy else None
-            store = make_state_store(master, offload, device, rank, publish=publish)
+            store = make_state_store(master, offload, device, rank, publish=publish, residencies=residencies)
             undo.callback(store.close)
             sync = (MicroStepReduceScatterSync(buckets, *sync_args, acc_device=master_device, scaling=scaling,
                                                quantized=quantized, replicate=replicate, spill_dir=_spill_dir(store))
@@ -128,7 +131,8 @@ def build_stage(module: torch.nn.Module, param_groups: list[dict[str, Any]], spe
                                                    undo, clock=clock, observer=observer)
             # Before the units adopt the parameters: a swapped store writes their initial values.
             store = make_state_store(master, offload, device, rank, publish=None if shard.aliased else shard.publish,
-                                     before_access=lender.reclaim_all if lender is not None else None)
+                                     before_access=lender.reclaim_all if lender is not None else None,
+                                     residencies=residencies)
             undo.callback(store.close)
             zero3 = _zero3_units(module, spec, policy, group, device, buckets, shard, frozen, lender, undo,
                                  trains=trains, clock=clock, observer=observer)
@@ -151,6 +155,26 @@ def build_stage(module: torch.nn.Module, param_groups: list[dict[str, Any]], spe
     for p in params:
         set_owner(p, stage)
     return stage
+
+
+def _optimizer_split(buckets: list[Bucket], offload: OffloadPolicy, device: torch.device,
+                     rank: int) -> tuple[tuple[Residency, ...], KeptPrefix]:
+    """Partial optimizer offload: each sub-group's residency (:meth:`OffloadPolicy.subgroup_residencies`),
+    and the masters that stay on ``device``, those of the sub-groups kept there (the leading ones)."""
+    runs = subgroup_runs(buckets, offload.sub_group)
+    residencies = offload.subgroup_residencies(len(runs))
+    kept = sum(r is Residency.DEVICE for r in residencies)
+    total = sum(b.numel for b in buckets)
+    end = runs[kept][0].start if kept < len(runs) else total
+    if rank == 0:
+        logger.info("zeroshard: partial optimizer offload (ratio %g): %d of %d sub-groups (%d of %d elements) stay "
+                    "on the device", offload.ratio, kept, len(runs), end, total)
+        if kept == 0:
+            logger.warning("zeroshard: offload_optimizer.ratio %g keeps none of this rank's %d optimizer sub-group(s) "
+                           "on the device (as DeepSpeed counts them: int((1 - ratio) * sub-groups)), so all of the "
+                           "optimizer state is offloaded; lower zero_optimization.sub_group_size (now %d) to split it",
+                           offload.ratio, len(runs), offload.sub_group)
+    return residencies, KeptPrefix(end, device)
 
 
 def _quantized_reduction(group: dist.ProcessGroup | None, device: torch.device) -> QuantizedReduction:

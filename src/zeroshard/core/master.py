@@ -35,6 +35,15 @@ def swapped_placeholder(numel: int) -> torch.Tensor:
     return torch.full((1,), float("nan"), dtype=torch.float32).expand(numel)
 
 
+@dataclass(frozen=True)
+class KeptPrefix:
+    """Partial optimizer offload: the masters of the leading flat elements ``[0, end)`` (whole
+    sub-groups) stay on ``device``, the training device; the rest are in host memory."""
+
+    end: int
+    device: torch.device
+
+
 class MasterShard:
     """The rank-local flat fp32 master buffer and its per-parameter views.
 
@@ -46,12 +55,15 @@ class MasterShard:
     offload. With ``swapped`` (NVMe optimizer offload) there is no buffer either: the views are
     placeholders (:func:`swapped_placeholder`) until the swapped store points them at a sub-group
     buffer for the step; the initial values are taken from :meth:`initial_values` by the store,
-    which writes them to its files.
+    which writes them to its files. With ``kept`` (partial optimizer offload, stage 3) the buffer is
+    two, in layout order: the leading sub-groups' masters on the training device, the rest on
+    ``device`` (host memory); :meth:`span` reads a range from either.
     """
 
     def __init__(self, buckets: list[Bucket], rank: int, device: torch.device, alias_params: bool = False,
                  swapped: bool = False, pin: bool = False, droppable: bool = False,
-                 comm_device: torch.device | None = None, pack_dtype: torch.dtype | None = None) -> None:
+                 comm_device: torch.device | None = None, pack_dtype: torch.dtype | None = None,
+                 kept: KeptPrefix | None = None) -> None:
         self.buckets = buckets
         self.rank = rank
         self.numel = sum(b.numel for b in buckets)
@@ -61,22 +73,34 @@ class MasterShard:
         #: are in host memory (NCCL gathers device tensors only)
         self.comm_device = comm_device if comm_device is not None else device
         self.swapped = swapped and not alias_params
+        if kept is not None and (alias_params or self.swapped or droppable or pack_dtype is not None):
+            raise ValueError("masters split between the device and host memory (partial optimizer offload) are "
+                             "buffers of their own: not aliased, swapped, droppable or packed from a copy")
+        #: partial optimizer offload: the leading elements that stay on the training device (``None``: all
+        #: of the buffer is on ``device``)
+        self.kept = kept
         # Page-locked with CPU optimizer offload on an accelerator: updated masters then reach the
         # device by asynchronous copies that overlap the step of the next sub-group.
         numel = 0 if alias_params or self.swapped else self.numel
         #: with ``droppable`` (a large buffer in host memory, not page-locked), the mapping the flat
         #: buffer lives in, so that :meth:`drop_pages` can hand ranges of it back to the system
         self._flat_map: host_memory.MappedBuffer | None = None
-        if droppable and not pin and host_memory.mappable(device, numel * 4, min_bytes=1):
+        pinned = pin and device.type == "cpu"
+        if kept is not None:
+            # Two buffers, in layout order: [0, kept.end) on the training device, the rest on ``device``.
+            self.segments: tuple[torch.Tensor, ...] = (
+                torch.zeros(kept.end, dtype=torch.float32, device=kept.device),
+                torch.zeros(numel - kept.end, dtype=torch.float32, device=device, pin_memory=pinned))
+            self._starts: tuple[int, ...] = (0, kept.end)
+        elif droppable and not pin and host_memory.mappable(device, numel * 4, min_bytes=1):
             self._flat_map = host_memory.MappedBuffer(numel * 4)  # zero-filled, as torch.zeros
-            self.flat = self._flat_map.tensor(torch.float32)
+            self.segments, self._starts = (self._flat_map.tensor(torch.float32),), (0,)
         else:
-            self.flat = torch.zeros(numel, dtype=torch.float32, device=device, pin_memory=pin and device.type == "cpu")
-        #: the flat source of the compute-dtype parameters published after a step (stages 1-2
-        #: pack their all-gathers from it): the masters, or, with ``pack_dtype`` (the masters are
-        #: in swap files), a compute-dtype shard on the communication device that the swapped
-        #: store keeps current
-        self.pack_source = self.flat
+            self.segments = (torch.zeros(numel, dtype=torch.float32, device=device, pin_memory=pinned),)
+            self._starts = (0,)
+        #: stages 1-2 with the masters in swap files (``pack_dtype``): a compute-dtype shard on the
+        #: communication device that the swapped store keeps current (``None``: they pack from the masters)
+        self._compute_copy: torch.Tensor | None = None
         self.views: dict[torch.nn.Parameter, torch.nn.Parameter] = {}
         #: each parameter's real element range ``[s, e)`` held by this rank
         self.ranges: dict[torch.nn.Parameter, tuple[int, int]] = {}
@@ -98,7 +122,7 @@ class MasterShard:
                 elif self.swapped:
                     view = swapped_placeholder(e - s)
                 else:
-                    view = self.flat[a : a + (e - s)]
+                    view = self.span(a, a + (e - s))
                 self.ranges[p] = (s, e)
                 if not alias_params and not self.swapped:
                     # Copied from the full-precision values before the module is cast to a 16-bit
@@ -108,7 +132,42 @@ class MasterShard:
                 self.views[p] = master
                 self.slices.append((master, b.index, off, e - s))
         if pack_dtype is not None and self.swapped:
-            self.pack_source = self.initial_flat(pack_dtype, self.comm_device)
+            self._compute_copy = self.initial_flat(pack_dtype, self.comm_device)
+
+    @property
+    def flat(self) -> torch.Tensor:
+        """The flat master buffer, the whole layout in one tensor (empty when aliased or swapped).
+
+        Raises:
+            RuntimeError: the masters are split between the device and host memory (:attr:`kept`):
+                read them by ranges (:meth:`span`) or buffers (:attr:`segments`).
+        """
+        if len(self.segments) != 1:
+            raise RuntimeError("the master shard is split between the device and host memory (partial optimizer "
+                               "offload): it has no single flat buffer; use span() or segments")
+        return self.segments[0]
+
+    def span(self, start: int, end: int) -> torch.Tensor:
+        """The masters of flat elements ``[start, end)``, a view (a range never crosses from the
+        device's part into host memory: the split is at a sub-group's start)."""
+        for first, buf in zip(reversed(self._starts), reversed(self.segments)):
+            if start >= first:
+                if end - first > buf.numel():
+                    raise ValueError(f"flat range [{start}, {end}) crosses the split of the master shard at {first}")
+                return buf[start - first : end - first]
+        raise ValueError(f"flat range [{start}, {end}) is outside the master shard")
+
+    @property
+    def pack_source(self) -> torch.Tensor:
+        """The flat source of the compute-dtype parameters published after a step (stages 1-2 pack
+        their all-gathers from it): the masters, or, with the masters in swap files, the
+        compute-dtype shard on the communication device that the swapped store keeps current."""
+        return self._compute_copy if self._compute_copy is not None else self.flat
+
+    @property
+    def compute_copy(self) -> bool:
+        """Whether :attr:`pack_source` is a compute-dtype copy of its own (stages 1-2, masters in files)."""
+        return self._compute_copy is not None
 
     def initial_values(self, p: torch.nn.Parameter) -> torch.Tensor:
         """This rank's chunk of ``p`` as it was before training (the ``zero.Init`` chunk, or a
@@ -138,15 +197,21 @@ class MasterShard:
         """Point the masters' ``.grad`` at their slices of the fp32 gradient shard (one flat tensor
         per bucket); masters in ``skip`` get none, so the optimizer leaves them (and their state)
         untouched. ``slices``: only these masters (one sub-group), the others get none either.
-        A gradient on another device than its master (CPU optimizer offload) is copied over."""
+        A gradient on another device than its master is copied over (CPU optimizer offload: to the
+        host; partial offload, the device's sub-groups: from the host shard to the device), the
+        copies asynchronous and waited for before returning."""
+        to_device = False
         for master, bucket, off, n in self.slices if slices is None else slices:
             if master in skip:
                 master.grad = None
                 continue
             g = grads[bucket][off : off + n]
             master.grad = g if g.device == master.device else g.to(master.device, non_blocking=True)
-        if slices is not None and any(g.device.type == "cuda" for g in grads):
-            torch.cuda.current_stream().synchronize()  # non-blocking copies to host must land first
+            to_device |= master.device.type == "cuda" and g.device.type == "cpu"
+        if slices is not None and (to_device or any(g.device.type == "cuda" for g in grads)):
+            # Copies to the host must land before the CPU steps; copies to the device before the host
+            # shard they read is zeroed after the step (the CPU does not wait for the stream there).
+            torch.cuda.current_stream().synchronize()
 
     def detach_grads(self, slices: Sequence[tuple[torch.nn.Parameter, int, int, int]] | None = None) -> None:
         """Drop the master gradients (they are views of a buffer the gradient sync owns)."""
@@ -173,8 +238,8 @@ class MasterShard:
         return self._flat_map.drop(start * 4, (end - start) * 4)
 
     def bytes_held(self) -> int:
-        """Bytes of the flat master buffer, padding included."""
-        return self.flat.numel() * self.flat.element_size()
+        """Bytes of the flat master buffer (both parts when split), padding included."""
+        return sum(t.numel() * t.element_size() for t in self.segments)
 
     def copy_to_params(self) -> None:
         """One rank (stage 0, or any stage on one rank) owns whole parameters: copy (and cast) the

@@ -30,9 +30,10 @@ What each :class:`StateKind` names:
 
 - ``OPTIMIZER_STATES``: every tensor of the torch optimizer's per-parameter state (none with NVMe
   optimizer offload: it lives in swap files).
-- ``MASTER_WEIGHTS``: the fp32 master buffer and its per-parameter views (none when swapped to
-  NVMe). In fp32 at stages 1-2 the masters are views of the parameters, and at stage 3 without
-  offload the parameter shard is the master buffer: moving either moves both.
+- ``MASTER_WEIGHTS``: the fp32 master buffer (with partial optimizer offload, its two parts) and
+  its per-parameter views (none when swapped to NVMe). In fp32 at stages 1-2 the masters are views
+  of the parameters, and at stage 3 without offload the parameter shard is the master buffer:
+  moving either moves both.
 - ``PARAMETERS``: stages 1-2: the trained parameters (the module's full compute-dtype tensors) and,
   with masters in swap files, the compute-dtype shard the all-gathers pack from; stage 3: the
   parameter shard (when in memory) and the frozen parameters' chunks. Units gathered for use are
@@ -184,13 +185,13 @@ class StateMover:
         if kind is StateKind.MASTER_WEIGHTS:
             if m.swapped:
                 return []
-            out = [m.flat, *m.views.values()]
+            out = [*m.segments, *m.views.values()]  # two buffers with partial optimizer offload
             if isinstance(s, Stage3Optimizer) and s.shard.aliased:
                 out += [u.shard for u in units if u.shard is not None]
             return out
         if kind is StateKind.PARAMETERS:
             if not isinstance(s, Stage3Optimizer):
-                return [*m.views, *([m.pack_source] if m.pack_source is not m.flat else [])]
+                return [*m.views, *([m.pack_source] if m.compute_copy else [])]
             frozen = s.frozen.units if s.frozen is not None else []
             shard = [s.shard.flat] if s.shard.flat is not None else []
             return [*shard, *(u.shard for u in units + frozen if u.shard is not None)]
@@ -293,10 +294,11 @@ class StateMover:
 
     def _allocator(self, device: torch.device, pin: bool) -> Callable[[torch.Tensor], Allocate | None]:
         """The master buffer keeps a mapping of its own where it had one (fp32 ZeRO-3 on the CPU)."""
-        flat = self.stage.master.flat
+        master = self.stage.master
 
         def allocate(t: torch.Tensor) -> Allocate | None:
-            if not (self._masters_mapped and flat.numel() and _key(t) == _key(flat)):
+            # A mapped master shard is one buffer (never split by partial optimizer offload).
+            if not (self._masters_mapped and master.flat.numel() and _key(t) == _key(master.flat)):
                 return None
 
             def mapped(nbytes: int) -> torch.Tensor:

@@ -427,7 +427,7 @@ class ZeroOptimizer:
         spilled = self.sync.spilled_bytes()
         if spilled:  # NVMe: a file-backed buffer whose pages are in the process only while used
             out["gradients"] = {"file": spilled}
-        if self.master.pack_source is not self.master.flat:  # stages 1-2 with the masters in files
+        if self.master.compute_copy:  # stages 1-2 with the masters in files
             src = self.master.pack_source
             place = "device" if src.device.type != "cpu" else "host"
             out["parameter_shard"] = {place: src.numel() * src.element_size()}
@@ -443,5 +443,5 @@ class ZeroOptimizer:
             "optimizer_states": in_memory_bytes(held["optimizer_states"]),
             "comm_workspace": self.sync.workspace_bytes() + self.master.workspace_bytes(),
             **({"parameter_shard": self.master.pack_source.numel() * self.master.pack_source.element_size()}
-               if self.master.pack_source is not self.master.flat else {}),
+               if self.master.compute_copy else {}),
         }

@@ -164,11 +164,19 @@ def zeroshard_row(spec: ModelSpec, hardware: Hardware, training: Training, stage
                buckets, offload, place, hardware.gpus_per_node * place.file)
 
 
-def estimate(spec: ModelSpec, hardware: Hardware, training: Training) -> Estimate:
-    """Every stage with every offload choice it runs, at DeepSpeed's default sizes."""
+def estimate(spec: ModelSpec, hardware: Hardware, training: Training, offload_ratio: float | None = None,
+             sub_group_size: int | None = None) -> Estimate:
+    """Every stage with every offload choice it runs, at DeepSpeed's default sizes; with
+    ``offload_ratio`` below 1, also stage 3 with that fraction of the optimizer offloaded to the CPU
+    (ZeRO-Offload++), in sub-groups of ``sub_group_size`` elements (``None``: DeepSpeed's default,
+    1e9, which splits only shards larger than that)."""
     act_est, _, _ = _activations(spec, training)
     rows = [zeroshard_row(spec, hardware, training, stage, offload=off)
             for stage in range(4) for off in offloads_for_stage(stage)]
+    if offload_ratio is not None and offload_ratio < 1.0:
+        partial = Offload("cpu", sub_group_size=sub_group_size, ratio=offload_ratio)
+        at = next(i for i, r in enumerate(rows) if (r.stage, r.choice) == (3, Offload("cpu")))
+        rows.insert(at + 1, zeroshard_row(spec, hardware, training, 3, offload=partial))
     return Estimate(spec, hardware, training, act_est, rows)
 
 

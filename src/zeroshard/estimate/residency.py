@@ -19,7 +19,10 @@ gradient-accumulation bytes, Adam), with an accelerator:
   masters pinned when ``pin_memory``, Adam's moments pageable); ``nvme``: files, F ≈ 4S each for
   the masters and each of Adam's two moments (every sub-group's row at an aligned offset), plus
   host buffers: ``min(buffer_count, sub-groups)`` slots of the largest sub-group, one fp32 tensor
-  per file, pinned when ``pin_memory``.
+  per file, pinned when ``pin_memory``. With ``ratio`` below 1 (partial offload, stage 3 with
+  ``cpu``) the first ``int((1 - ratio) * n)`` of the ``n`` sub-groups keep their masters and moments
+  on the device (named ``device`` without an accelerator too, as ``memory_placement()`` names them)
+  and the ZeRO-3 parameter shard is a copy of its own, c·S on the device.
 - ``parameter_shard``: stages 1–2 with the masters in files, a compute-dtype copy c·S on the device
   that the all-gather publishes from (``memory_placement()`` does not report it).
 - ``parameter_shard`` (stage 3): none while the masters are on the device (units are gathered from
@@ -41,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from zeroshard.core.offload.policy import Residency, resolve_sub_group_size, swap_slots
+from zeroshard.core.offload.policy import Residency, device_subgroups, resolve_sub_group_size, swap_slots
 from zeroshard.core.offload.swap_files import ALIGNMENT, round_up
 from zeroshard.core.partition import ShardLayout, consecutive_runs
 from zeroshard.core.plan import make_plan
@@ -73,22 +76,36 @@ class Offload:
     buffer_count: int = 4
     param_buffer_count: int = 5
     pin_memory: bool = True
+    #: ``offload_optimizer.ratio``: the fraction of the optimizer's sub-groups offloaded (below 1:
+    #: ZeRO-Offload++'s partial offload, stage 3 with ``optimizer="cpu"`` only)
+    ratio: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("optimizer", "params"):
             if getattr(self, name) not in OFFLOAD_DEVICES:
                 raise ValueError(f"Offload.{name} must be one of {OFFLOAD_DEVICES}, got {getattr(self, name)!r}")
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"Offload.ratio must be in [0, 1], got {self.ratio}")
+        if self.ratio < 1.0 and self.optimizer != "cpu":
+            raise ValueError(f"Offload.ratio below 1 (partial offload) needs optimizer='cpu', not {self.optimizer!r}")
+
+    @property
+    def partial(self) -> bool:
+        """Partial optimizer offload: the leading sub-groups stay on the device."""
+        return self.ratio < 1.0
 
     @property
     def label(self) -> str:
-        """``none``, ``optimizer->cpu``, ``optimizer+params->nvme``, ``params->cpu``..."""
+        """``none``, ``optimizer->cpu``, ``optimizer+params->nvme``, ``params->cpu``,
+        ``optimizer->cpu (ratio 0.5)``..."""
+        ratio = f" (ratio {self.ratio:g})" if self.partial else ""
         if self.params == "none":
-            return "none" if self.optimizer == "none" else f"optimizer->{self.optimizer}"
+            return "none" if self.optimizer == "none" else f"optimizer->{self.optimizer}{ratio}"
         if self.optimizer == "none":
             return f"params->{self.params}"
         if self.params == self.optimizer:
-            return f"optimizer+params->{self.optimizer}"
-        return f"optimizer->{self.optimizer},params->{self.params}"
+            return f"optimizer+params->{self.optimizer}{ratio}"
+        return f"optimizer->{self.optimizer}{ratio},params->{self.params}"
 
     @property
     def tier(self) -> int:
@@ -108,8 +125,10 @@ class Offload:
             block: dict[str, Any] = {"device": self.optimizer, "pin_memory": self.pin_memory}
             if self.optimizer == "nvme":
                 block.update(nvme_path=nvme_path, buffer_count=self.buffer_count)
-                if self.sub_group_size is not None:
-                    out["sub_group_size"] = self.sub_group_size
+            if self.partial:
+                block["ratio"] = self.ratio
+            if self.sub_group_size is not None and (self.optimizer == "nvme" or self.partial):
+                out["sub_group_size"] = self.sub_group_size
             out["offload_optimizer"] = block
         if self.params != "none":
             block = {"device": self.params, "pin_memory": self.pin_memory}
@@ -217,6 +236,8 @@ def placement(spec: ModelSpec, stage: int, world: int, dtype: str = "bf16", grad
     off = offload or Offload()
     if off.optimizer != "none" and stage == 0:
         raise ValueError("optimizer offload needs ZeRO stage 1-3")
+    if off.partial and stage != 3:
+        raise ValueError("partial optimizer offload (ratio below 1) needs ZeRO stage 3")
     if off.params != "none" and stage != 3:
         raise ValueError("parameter offload needs ZeRO stage 3")
     buckets = buckets or Buckets()
@@ -245,23 +266,33 @@ def placement(spec: ModelSpec, stage: int, world: int, dtype: str = "bf16", grad
     _gradients(add, stage, world, a * shard, off, where)
     # The engine's plan of the same stage: which copies exist (fp32 masters at stages 0-2 are the
     # module's own parameters when both share memory; NVMe masters are swapped unless aliased).
-    plan = make_plan(stage, world, c == 4, _RESIDENCY[off.optimizer], _RESIDENCY[off.params], accelerator)
+    plan = make_plan(stage, world, c == 4, _RESIDENCY[off.optimizer], _RESIDENCY[off.params], accelerator,
+                     split_masters=off.partial)
     aliased, swapped = plan.masters_alias_params, plan.masters_swapped
     sizes = subgroup_sizes(rows, sub_group)
     master_file = _file_bytes(sizes, 4)
     # In host memory the masters are page-locked (updated values reach the device asynchronously);
     # the moments torch creates beside them (``zeros_like``) are not.
     masters = {"none": where.device, "cpu": where.pinned_if_asked, "nvme": "file"}[off.optimizer]
-    if not aliased:
-        add("master_weights", masters, master_file if swapped else 4 * shard)
-    if off.optimizer == "nvme":
-        add("optimizer_states", "file", _ADAM_KEYS * master_file)
-        slots = swap_slots(off.buffer_count, sizes, off.sub_group_size is None)
-        add("optimizer_states", where.pinned_if_asked, slots * max(sizes) * 4 * (_ADAM_KEYS + swapped))
-        if plan.compute_copy:  # the compute-dtype copy stages 1-2 all-gather from
-            add("parameter_shard", where.device, c * shard)
+    if plan.masters_split:
+        # The first int((1 - ratio) * n) sub-groups keep their masters and moments on the device
+        # (named so without an accelerator too, as memory_placement() names them), the rest offloaded.
+        kept = sum(sizes[: device_subgroups(off.ratio, len(sizes))])
+        add("master_weights", "device", 4 * kept)
+        add("master_weights", masters, 4 * (shard - kept))
+        add("optimizer_states", "device", 8 * kept)
+        add("optimizer_states", "host", 8 * (shard - kept))
     else:
-        add("optimizer_states", where.device if off.optimizer == "none" else "host", 8 * shard)
+        if not aliased:
+            add("master_weights", masters, master_file if swapped else 4 * shard)
+        if off.optimizer == "nvme":
+            add("optimizer_states", "file", _ADAM_KEYS * master_file)
+            slots = swap_slots(off.buffer_count, sizes, off.sub_group_size is None)
+            add("optimizer_states", where.pinned_if_asked, slots * max(sizes) * 4 * (_ADAM_KEYS + swapped))
+            if plan.compute_copy:  # the compute-dtype copy stages 1-2 all-gather from
+                add("parameter_shard", where.device, c * shard)
+        else:
+            add("optimizer_states", where.device if off.optimizer == "none" else "host", 8 * shard)
     if stage == 3 and not plan.param_shard_aliases_masters:
         _parameter_shard(add, rows, c, off, where)
     return Placement(kinds)

@@ -66,6 +66,9 @@ def render_estimate(est: Estimate) -> str:
     lines += [
         "model states: parameters, gradients, fp32 master weights, Adam's moments that stay on the GPU "
         "(engine.memory_usage()).",
+        *(f"{r.offload}: offload_optimizer.ratio, the first int((1 - ratio) x n) of a GPU's n optimizer sub-groups "
+          f"({format_count(r.choice.sub_group_size or 10**9)} elements each at most) keep their masters and Adam's "
+          "moments on the GPU." for r in est.rows if r.choice.partial),
         "buffers: communication buckets at DeepSpeed's default sizes; at stage 3 also the gathered parameters.",
         "GPU total: model states + buffers + activations; add ~1 GiB for the CUDA context.",
         "CPU per node: the larger of building the model (every process builds it on the CPU, stage 3 under "

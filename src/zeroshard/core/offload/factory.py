@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zeroshard.core.offload.policy import OffloadPolicy, Residency, state_device
-from zeroshard.core.offload.state_store import StateStore
+from zeroshard.core.offload.state_store import SplitStateStore, StateStore
 
 if TYPE_CHECKING:
     from zeroshard.core.master import MasterShard
@@ -23,9 +23,15 @@ def optimizer_state_device(policy: OffloadPolicy, device: torch.device) -> torch
 
 def make_state_store(master: MasterShard, policy: OffloadPolicy, device: torch.device, rank: int,
                      publish: Callable[[int, int, torch.Tensor], None] | None = None,
-                     before_access: Callable[[], None] | None = None) -> StateStore:
-    """The store for ``policy.optimizer``: in memory (device or host) or swapped to files
-    (``publish`` and ``before_access``: see :class:`StateStore`)."""
+                     before_access: Callable[[], None] | None = None,
+                     residencies: tuple[Residency, ...] | None = None) -> StateStore:
+    """The store for ``policy.optimizer``: in memory (device or host), split between the two
+    (partial offload: each sub-group where ``residencies`` says, ``master`` split accordingly), or
+    swapped to files (``publish`` and ``before_access``: see :class:`StateStore`)."""
+    if policy.partial:
+        if residencies is None:
+            raise ValueError("partial optimizer offload needs each sub-group's residency")
+        return SplitStateStore(master, residencies, device, policy.sub_group, publish, before_access)
     if policy.optimizer is Residency.FILE:
         from zeroshard.core.offload.swapped_store import SwappedStateStore
 

@@ -6,6 +6,8 @@ Stage 3 keeps each rank's chunk of every unit in a flat shard with the master la
 - ``offload_param: none``: on the training device. With masters on the device too it *is* the
   master buffer: units are gathered from the fp32 masters, cast to the compute dtype chunk by
   chunk, and no compute-dtype copy of the shard is kept (2 bytes per parameter over N saved).
+  Masters split between the device and host memory (partial optimizer offload) are two buffers:
+  the shard is a copy of its own.
 - ``offload_param: cpu``: in host memory (pinned with an accelerator); each unit's chunk is copied
   to the device inside its all-gather, which the coordinator prefetches. With fp32 compute and
   host masters (``offload_optimizer: cpu``) it is the master buffer.
@@ -197,15 +199,14 @@ def make_param_shard(master: MasterShard, buckets: list[Bucket], policy: Offload
     """Place the parameter shard of ``buckets`` (the master layout) by ``policy.params``."""
     res = policy.params
     where = device if res is Residency.DEVICE else host_device()
-    if res is not Residency.FILE and not master.swapped and master.flat.device == where and (
+    if res is not Residency.FILE and not master.swapped and master.kept is None and master.flat.device == where and (
             dtype == torch.float32 or where.type == device.type):
         # The masters are where the parameters are gathered: gather from them, casting each unit's
         # chunk on the way (as FSDP2 does), rather than keep a compute-dtype copy of the shard.
         return ParamShard(buckets, master.flat, None, aliased=True)
-    initial = master.flat if not master.swapped else None
 
     def row(b: Bucket) -> torch.Tensor:
-        return initial[b.start : b.start + b.numel] if initial is not None else _initial_row(master, b)
+        return master.span(b.start, b.start + b.numel) if not master.swapped else _initial_row(master, b)
 
     return place_shard(buckets, master.numel, policy, dtype, device, rank, row, clock)
 

@@ -4,7 +4,9 @@
 state (and with them the optimizer step); ``offload_param.device`` places ZeRO-3's parameter
 shards. ``none`` is the training device, ``cpu`` host memory (page-locked when ``pin_memory`` and
 an accelerator is present), ``nvme`` swap files under ``nvme_path``, read and written
-``sub_group_size`` elements at a time.
+``sub_group_size`` elements at a time. ``offload_optimizer.ratio`` below 1 (ZeRO-Offload++'s
+partial offload, stage 3 with ``device: cpu``) keeps the leading sub-groups' masters and optimizer
+state on the training device and offloads the rest (:func:`device_subgroups`: DeepSpeed's rule).
 
 When the config does not set ``sub_group_size``, an NVMe run chooses it
 (:func:`resolve_sub_group_size`): sub-groups small enough that the swap buffers hold at most a
@@ -23,7 +25,7 @@ import torch
 
 from zeroshard.errors import ConfigError
 
-__all__ = ["AioSettings", "OffloadPolicy", "Residency", "resolve_sub_group_size", "swap_slots"]
+__all__ = ["AioSettings", "OffloadPolicy", "Residency", "device_subgroups", "resolve_sub_group_size", "swap_slots"]
 
 _Z = "zero_optimization"
 
@@ -72,6 +74,9 @@ class OffloadPolicy:
     #: ``sub_group_size`` was chosen from the shard (unset in the config): so is the number of buffers
     auto_sub_group: bool = False
     aio: AioSettings = AioSettings()
+    #: ``offload_optimizer.ratio``: the fraction of the optimizer's sub-groups offloaded (DeepSpeed's
+    #: meaning); below 1 with ``optimizer`` in host memory, the others stay on the training device
+    ratio: float = 1.0
 
     @property
     def sub_group(self) -> int:
@@ -84,6 +89,21 @@ class OffloadPolicy:
         size = resolve_sub_group_size(self.sub_group_size, shard_numel, self.buffer_count,
                                       self.optimizer is Residency.FILE)
         return replace(self, sub_group_size=size, auto_sub_group=self.sub_group_size is None)
+
+    @property
+    def partial(self) -> bool:
+        """Partial optimizer offload (ZeRO-Offload++'s "Twin-Flow"): the masters and optimizer state
+        of the leading sub-groups stay on the training device, the others are in host memory."""
+        return self.optimizer is Residency.HOST and self.ratio < 1.0
+
+    def subgroup_residencies(self, count: int) -> tuple[Residency, ...]:
+        """Where each of ``count`` optimizer sub-groups (in layout order) keeps its masters and
+        optimizer state: all at :attr:`optimizer`, or with :attr:`partial` the first
+        :func:`device_subgroups` on the device and the rest in host memory."""
+        if not self.partial:
+            return (self.optimizer,) * count
+        kept = device_subgroups(self.ratio, count)
+        return (Residency.DEVICE,) * kept + (Residency.HOST,) * (count - kept)
 
     @property
     def offloads_optimizer(self) -> bool:
@@ -119,7 +139,18 @@ class OffloadPolicy:
             buffer_count=int(oo.buffer_count), param_buffer_count=int(op.buffer_count),
             param_buffer_size=int(op.buffer_size), sub_group_size=sub_group,
             aio=AioSettings(int(cfg.aio.block_size), int(cfg.aio.queue_depth), int(cfg.aio.intra_op_parallelism)),
+            ratio=float(oo.ratio),
         )
+
+
+def device_subgroups(ratio: float, count: int) -> int:
+    """How many of ``count`` sub-groups partial offload keeps on the device: the first
+    ``int((1 - ratio) * count)``, DeepSpeed 0.19.8's rule to the float rounding
+    (``runtime/zero/stage3.py``, ``_create_fp32_partitions``: sub-group ``i`` goes to the CPU when
+    ``i >= int((1 - ratio) * count)``). ``ratio`` is the fraction *offloaded*; the product is
+    truncated, so 10 sub-groups at ratio 0.9 keep none (``(1 - 0.9) * 10`` is 0.9999999999999998)
+    and 3 at ratio 0.5 keep one."""
+    return int((1 - ratio) * count)
 
 
 #: DeepSpeed's default ``sub_group_size``, used where no swap files size it

@@ -18,7 +18,10 @@ training.
 
 :class:`StateStore` keeps everything in memory (the device, or host memory with CPU optimizer
 offload, where torch creates the optimizer state on the masters' device, so the step runs on the
-CPU); :class:`~zeroshard.core.offload.swapped_store.SwappedStateStore` keeps it in files. Readers
+CPU); :class:`SplitStateStore` keeps the leading sub-groups on the device and the others in host
+memory (partial offload, ``offload_optimizer.ratio``: each sub-group steps where its state is,
+since torch creates a master's state on the master's device);
+:class:`~zeroshard.core.offload.swapped_store.SwappedStateStore` keeps it in files. Readers
 (checkpoint save and load, resharding, ``safe_get_*``, ``memory_usage()``) call
 :meth:`StateStore.master_values`, :meth:`StateStore.state` and their setters, never
 ``optimizer.state`` or the master views directly.
@@ -38,7 +41,7 @@ from zeroshard.core.partition import Bucket, consecutive_runs
 if TYPE_CHECKING:
     from zeroshard.core.master import MasterShard
 
-__all__ = ["StateStore", "SubGroup", "make_subgroups"]
+__all__ = ["SplitStateStore", "StateStore", "SubGroup", "make_subgroups", "subgroup_runs"]
 
 #: ``(master view, bucket index, column in the bucket's row, real elements)``, as in MasterShard
 Slice = tuple[torch.nn.Parameter, int, int, int]
@@ -68,14 +71,19 @@ class SubGroup:
         return self.end - self.start
 
 
+def subgroup_runs(buckets: list[Bucket], sub_group_size: int) -> list[list[Bucket]]:
+    """The buckets of each sub-group: ``buckets`` (in layout order) in runs of at most
+    ``sub_group_size`` elements (a bucket larger than that is a run of its own)."""
+    return [run for run in consecutive_runs(buckets, lambda b: b.numel, max(1, sub_group_size)) if run]
+
+
 def make_subgroups(buckets: list[Bucket], slices: list[Slice], sub_group_size: int) -> list[SubGroup]:
     """Split ``buckets`` (in layout order) into runs of at most ``sub_group_size`` elements."""
     by_bucket: dict[int, list[Slice]] = {}
     for s in slices:
         by_bucket.setdefault(s[1], []).append(s)
-    runs = consecutive_runs(buckets, lambda b: b.numel, max(1, sub_group_size))
     return [SubGroup(i, tuple(run), tuple(s for b in run for s in by_bucket.get(b.index, ())))
-            for i, run in enumerate(runs) if run]
+            for i, run in enumerate(subgroup_runs(buckets, sub_group_size))]
 
 
 class StateStore:
@@ -131,7 +139,7 @@ class StateStore:
         for sg in self.subgroups:
             self._step_resident(sg, grads, skip)
             if self.publish is not None:
-                self.publish(sg.start, sg.end, self.master.flat[sg.start : sg.end])
+                self.publish(sg.start, sg.end, self.master.span(sg.start, sg.end))
             if stepped is not None:
                 stepped(sg)
         self.published = True
@@ -150,7 +158,7 @@ class StateStore:
             return
         self._access()
         for sg in self.subgroups:
-            self.publish(sg.start, sg.end, self.master.flat[sg.start : sg.end])
+            self.publish(sg.start, sg.end, self.master.span(sg.start, sg.end))
         self.published = True
 
     # -- the accessor ----------------------------------------------------------------------------
@@ -211,3 +219,60 @@ class StateStore:
     def close(self) -> None:
         """Release files and buffers (nothing to do in memory)."""
 
+
+
+class SplitStateStore(StateStore):
+    """Partial optimizer offload (``offload_optimizer.ratio`` below 1, DeepSpeed's ZeRO-Offload++
+    "Twin-Flow"): the masters and optimizer state of the leading sub-groups on the training device,
+    the others in host memory.
+
+    The masters are two buffers (:class:`~zeroshard.core.master.KeptPrefix`), split at the start of
+    the first offloaded sub-group; torch creates each master's state on the master's device, so the
+    step of every sub-group runs where its state is, with the same torch optimizer (elementwise: the
+    same bits as one step over everything), and :attr:`publish` takes each one's updated values
+    from there.
+
+    Args:
+        master: the rank's master shard, split where ``residencies`` change.
+        residencies: per sub-group (:meth:`OffloadPolicy.subgroup_residencies`), in layout order.
+        device: the training device (names the bytes of :meth:`bytes_held`).
+        sub_group_size, publish, before_access: as :class:`StateStore`'s.
+    """
+
+    def __init__(self, master: MasterShard, residencies: tuple[Residency, ...], device: torch.device,
+                 sub_group_size: int, publish: Callable[[int, int, torch.Tensor], None] | None = None,
+                 before_access: Callable[[], None] | None = None) -> None:
+        super().__init__(master, Residency.HOST, sub_group_size, publish, before_access)
+        if len(residencies) != len(self.subgroups):
+            raise ValueError(f"{len(residencies)} residencies for {len(self.subgroups)} sub-groups")
+        kept = sum(r is Residency.DEVICE for r in residencies)
+        split = self.subgroups[kept].start if kept < len(self.subgroups) else master.numel
+        if residencies != (Residency.DEVICE,) * kept + (Residency.HOST,) * (len(residencies) - kept) or (
+                master.kept is None or master.kept.end != split):
+            raise ValueError("the device's sub-groups must lead, and the master shard be split where they end")
+        #: where each sub-group's masters and optimizer state are, aligned with :attr:`subgroups`
+        self.residencies = residencies
+        self.device = device
+
+    def _place(self, residency: Residency, t: torch.Tensor) -> str:
+        """Where ``t`` (of a sub-group at ``residency``) is, in ``memory_placement()``'s names. On a
+        CPU training device both parts are host memory: the device's part is named ``device`` all
+        the same, so that the split shows (without partial offload a CPU run names all ``host``)."""
+        if residency is Residency.DEVICE and self.device.type == "cpu":
+            return "device"
+        return place_of(t)
+
+    def bytes_held(self) -> dict[str, dict[str, int]]:
+        """As :meth:`StateStore.bytes_held`, each sub-group's bytes where its residency puts them."""
+        masters: dict[str, int] = {}
+        states: dict[str, int] = {}
+        for sg, residency in zip(self.subgroups, self.residencies):
+            values = self.master.span(sg.start, sg.end)
+            place = self._place(residency, values)
+            masters[place] = masters.get(place, 0) + values.numel() * values.element_size()
+            for view, *_ in sg.slices:
+                for v in self._opt.state.get(view, {}).values():
+                    if isinstance(v, torch.Tensor):
+                        at = self._place(residency, v)
+                        states[at] = states.get(at, 0) + v.numel() * v.element_size()
+        return {"master_weights": masters, "optimizer_states": states}
