@@ -41,6 +41,7 @@ from harness import run_distributed
 from torch import nn
 
 import zeroshard
+from zeroshard.core.host_memory import FileMappedBuffer
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 
@@ -112,6 +113,8 @@ def memory_worker(rank: int, world: int, stage: int, nvme: str | None, defaults:
         out["layout_numel"] = int(engine.optimizer.master.numel)
         out["keys"] = list(store.keys)
         out["slot_bytes"] = sum(s.nbytes for s in store.slots)
+        out["discarded"] = engine.optimizer.sync.discarded_bytes
+        out["slices"] = len(engine.optimizer.master.slices)
         if stage == 3:
             out["param_file"] = engine.optimizer.shard.swap.file.path.stat().st_size
     engine.destroy()
@@ -195,3 +198,14 @@ def test_nvme_offload_with_deepspeeds_defaults_lowers_peak_rss(runs: dict[str, d
     assert nv["peak"] < mem["peak"] - 0.5 * swapped, (
         f"NVMe peak growth {nv['peak'] / MiB:.0f} MiB with DeepSpeed's defaults is not below the in-memory "
         f"{mem['peak'] / MiB:.0f} MiB minus half the {swapped / MiB:.0f} MiB swapped out")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_stepped_gradients_are_discarded_not_written_back(runs: dict[str, dict[str, Any]], stage: int) -> None:
+    """Once a sub-group is stepped, its spilled fp32 gradients are removed from the file
+    (``MADV_REMOVE``) rather than left dirty in the page cache for the kernel to write to the disk:
+    every step, all of the 4Ψ bytes but the partial pages at each master's ends."""
+    nv = runs[f"s{stage}/nvme"]
+    assert FileMappedBuffer.punches_holes, "the test's temporary directory does not support hole punching"
+    expected = STEPS * (4 * nv["psi"] - 2 * 4096 * nv["slices"])
+    assert expected <= nv["discarded"] <= STEPS * 4 * nv["psi"], (nv["discarded"], expected)

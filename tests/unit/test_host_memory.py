@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import sys
 from pathlib import Path
 
@@ -93,3 +94,19 @@ def test_zero3_training_on_cpu_trims_as_units_are_released(monkeypatch: pytest.M
         counts[mode] = len(calls)
         engine.destroy()
     assert counts[""] >= 3 and counts["0"] == 0, counts
+
+
+def test_discard_removes_whole_pages_and_keeps_the_edges(tmp_path) -> None:
+    """A discarded range's whole pages read as zeros (removed from the file), the partial pages at
+    its ends keep every byte (they hold bytes outside the range too)."""
+    page = mmap.PAGESIZE
+    buf = host_memory.FileMappedBuffer(tmp_path, 4 * page)
+    t = buf.tensor(torch.uint8)
+    t.fill_(7)
+    removed = buf.discard(page // 2, 2 * page + 10)  # [page/2, 2.5 page + 10): one whole page inside
+    if not host_memory.FileMappedBuffer.punches_holes:
+        pytest.skip("this filesystem does not punch holes")
+    assert removed == page and buf.discarded == page
+    assert bool((t[page : 2 * page] == 0).all())
+    assert bool((t[:page] == 7).all()) and bool((t[2 * page :] == 7).all())
+    assert buf.discard(10, 20) == 0 and bool((t[:page] == 7).all())  # inside one page: nothing removed

@@ -131,6 +131,10 @@ class GradSync:
     def release_pages(self, t: torch.Tensor) -> None:
         """Take the pages of ``t``, a view of the gradient shard, out of the process (spilled only)."""
 
+    def discard_pages(self, t: torch.Tensor) -> None:
+        """Throw away ``t``, a view of the gradient shard no longer read (spilled only): its pages
+        leave the process and the page cache without being written to the disk."""
+
     def spilled_bytes(self) -> int:
         """Bytes of the gradient shard in a file-backed buffer (0 unless spilled)."""
         return 0
@@ -489,6 +493,8 @@ class MicroStepReduceScatterSync(GradSync):
         self.spill_dir = spill_dir
         self.spills = spill_dir is not None
         self._spill: host_memory.FileMappedBuffer | None = None
+        #: bytes of stepped gradients removed from the spill file (:meth:`discard_pages`) so far
+        self.discarded_bytes = 0
         #: ZeRO++ qgZ: buckets reduced by quantized all-to-alls, inside nodes then across
         self.quantized = quantized
         self._qgz_blocks: dict[int, int] = {}
@@ -580,6 +586,18 @@ class MicroStepReduceScatterSync(GradSync):
         off = t.data_ptr() - base.data_ptr()
         if 0 <= off < self._spill.nbytes:  # not a copy made elsewhere (a cast to fp32)
             self._spill.drop(off, t.numel() * t.element_size())
+
+    def discard_pages(self, t: torch.Tensor) -> None:
+        """Throw away ``t`` (a view of the spilled gradient shard, stepped): whole pages are removed
+        from the file (``MADV_REMOVE``), not written back; partial pages at its ends only dropped."""
+        if self._spill is None or self.acc is None or not t.numel():
+            return
+        base = self._spill.tensor(self.acc.dtype)
+        if self.acc.data_ptr() != base.data_ptr():  # moved elsewhere (engine.offload_states)
+            return
+        off = t.data_ptr() - base.data_ptr()
+        if 0 <= off < self._spill.nbytes:
+            self.discarded_bytes += self._spill.discard(off, t.numel() * t.element_size())
 
     def _qgz_block(self, bucket: Bucket) -> int:
         block = self._qgz_blocks.get(bucket.index)

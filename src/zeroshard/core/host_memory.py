@@ -42,7 +42,7 @@ import os
 import tempfile
 import weakref
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -180,6 +180,10 @@ class FileMappedBuffer:
     disappears with the last tensor viewing the buffer, also when the process dies.
     """
 
+    #: whether :meth:`discard` punches holes (Linux's ``MADV_REMOVE``; tmpfs, ext4, xfs and btrfs
+    #: support it): turned off for the process at the first filesystem that refuses
+    punches_holes: ClassVar[bool] = hasattr(mmap, "MADV_REMOVE")
+
     def __init__(self, directory: os.PathLike[str] | str, nbytes: int) -> None:
         fd, path = tempfile.mkstemp(prefix="spill-", suffix=".buf", dir=directory)
         try:
@@ -189,6 +193,8 @@ class FileMappedBuffer:
         finally:
             os.close(fd)
         self.nbytes = nbytes
+        #: bytes removed from the file by :meth:`discard` so far
+        self.discarded = 0
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8, count=max(nbytes, 1))[:nbytes]
         # Registered by its mapping, which lives as long as any tensor viewing it (not this object)
         key = id(self._map)
@@ -203,6 +209,30 @@ class FileMappedBuffer:
         mapping keeps their values); pages it shares with bytes outside the range too (they read
         back their values from the page cache). Returns the bytes dropped."""
         return _drop_shared(self._map, self.nbytes, start, self.nbytes if length is None else length)
+
+    def discard(self, start: int, length: int) -> int:
+        """Throw a byte range's values away: its whole pages are removed from the file
+        (``MADV_REMOVE``: they read as zeros after, and are never written back, where dropped dirty
+        pages would be), the partial pages at its ends only dropped (:meth:`drop`: they hold bytes
+        outside the range). Returns the bytes removed from the file."""
+        end = min(start + length, self.nbytes)
+        first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+        last = end // mmap.PAGESIZE * mmap.PAGESIZE
+        if last <= first or not FileMappedBuffer.punches_holes:
+            self.drop(start, length)
+            return 0
+        try:
+            self._map.madvise(mmap.MADV_REMOVE, first, last - first)
+        except OSError:  # a filesystem without hole punching: values stay, in the page cache
+            FileMappedBuffer.punches_holes = False
+            self.drop(start, length)
+            return 0
+        if first > start:
+            self.drop(start, first - start)
+        if end > last:
+            self.drop(last, end - last)
+        self.discarded += last - first
+        return last - first
 
 
 def _unregister(key: int) -> Callable[[object], None]:

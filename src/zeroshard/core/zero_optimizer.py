@@ -257,18 +257,19 @@ class ZeroOptimizer:
         if self.overflow:
             return False
         clip = self.spec.gradient_clipping
-        if clip > 0:
-            coef = clip / (norm + 1e-6)
-            if coef < 1.0:
-                if self.sync.spills:
-                    for g in g32:
-                        g.mul_(coef)
-                        self.sync.release_pages(g)
-                else:
-                    torch._foreach_mul_(g32, coef)
+        coef = clip / (norm + 1e-6) if clip > 0 else 1.0
+        if coef < 1.0 and not self.sync.spills:
+            torch._foreach_mul_(g32, coef)
         unused = {self.master.views[p] for p in (*self.sync.unused_params(), *dropped)}
         stepped = self._begin_publish()
-        self.store.step(g32, skip=unused, stepped=self._releasing(g32, stepped) if self.sync.spills else stepped)
+        if self.sync.spills:
+            # Clipped sub-group by sub-group as it is stepped, and its pages discarded after: a pass
+            # clipping the whole file-backed shard first dirtied every page again, which the page
+            # cache wrote back to the disk (about the shard's size per step) before the step read it.
+            self.store.step(g32, skip=unused, stepped=self._discarding(g32, stepped),
+                            prepare=self._clipping(g32, coef) if coef < 1.0 else None)
+        else:
+            self.store.step(g32, skip=unused, stepped=stepped)
         self.sync.zero()
         # Swap-file writes the step left in flight overlap the rest of the publish, and the next forward.
         if stepped is None:
@@ -301,12 +302,23 @@ class ZeroOptimizer:
         g32 = [g.float() for g in self.grad_shard()]
         return self._global_norm(g32) / float(self.scaler.scale)
 
-    def _releasing(self, g32: list[torch.Tensor],
-                   stepped: Callable[[SubGroup], None] | None) -> Callable[[SubGroup], None]:
-        """``stepped`` that first lets go of the pages of the sub-group's gradients (spilled)."""
+    @staticmethod
+    def _clipping(g32: list[torch.Tensor], coef: float) -> Callable[[SubGroup], None]:
+        """Multiply one sub-group's gradients by the clipping coefficient (the same operation as
+        the whole shard's in-place multiply, so the same bits), just before it is stepped."""
+        def clip(sg: SubGroup) -> None:
+            for _master, b, off, n in sg.slices:
+                g32[b][off : off + n].mul_(coef)
+
+        return clip
+
+    def _discarding(self, g32: list[torch.Tensor],
+                    stepped: Callable[[SubGroup], None] | None) -> Callable[[SubGroup], None]:
+        """``stepped`` that first discards the sub-group's spilled gradients: stepped, they are not
+        read again, and neither the process nor the disk need keep them."""
         def after(sg: SubGroup) -> None:
             for _master, b, off, n in sg.slices:
-                self.sync.release_pages(g32[b][off : off + n])
+                self.sync.discard_pages(g32[b][off : off + n])
             if stepped is not None:
                 stepped(sg)
 

@@ -130,13 +130,16 @@ class StateStore:
         """Start bringing the first sub-groups in before the step (nothing to do in memory)."""
 
     def step(self, grads: list[torch.Tensor], skip: Collection[torch.nn.Parameter] = (),
-             stepped: Callable[[SubGroup], None] | None = None) -> None:
+             stepped: Callable[[SubGroup], None] | None = None,
+             prepare: Callable[[SubGroup], None] | None = None) -> None:
         """One optimizer step over every sub-group, with this rank's gradient shard (one flat
         fp32 tensor per bucket, unscaled and clipped); masters in ``skip`` get no gradient.
         ``stepped`` is called with each sub-group once it is stepped and published (stages 1-2
-        start its parameters' all-gather there)."""
+        start its parameters' all-gather there), ``prepare`` just before it is stepped."""
         self._access()
         for sg in self.subgroups:
+            if prepare is not None:
+                prepare(sg)
             self._step_resident(sg, grads, skip)
             if self.publish is not None:
                 self.publish(sg.start, sg.end, self.master.span(sg.start, sg.end))

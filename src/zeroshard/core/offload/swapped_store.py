@@ -219,9 +219,11 @@ class SwappedStateStore(StateStore):
                 h.wait()
 
     def step(self, grads: list[torch.Tensor], skip: Collection[torch.nn.Parameter] = (),
-             stepped: Callable[[SubGroup], None] | None = None) -> None:
+             stepped: Callable[[SubGroup], None] | None = None,
+             prepare: Callable[[SubGroup], None] | None = None) -> None:
         """The pipelined step over sub-groups: read ahead, step, write behind. The last sub-groups'
-        writes are still in flight when it returns (see :meth:`settle`)."""
+        writes are still in flight when it returns (see :meth:`settle`). ``stepped`` and
+        ``prepare`` as in :meth:`StateStore.step`."""
         self.settle()  # the previous step's writes, before any of its state is used
         self.steps += 1
         n = len(self.subgroups)
@@ -237,6 +239,8 @@ class SwappedStateStore(StateStore):
                 h.wait()
             self._bind(sg, slot)
             try:
+                if prepare is not None:
+                    prepare(sg)
                 self.master.attach_grads(grads, skip=skip, slices=sg.slices)
                 try:
                     self._opt.step()
