@@ -145,10 +145,13 @@ def _nothing() -> Iterator[None]:
     yield
 
 
-def _failing(name: str, code: int) -> Callable[[], Any]:
+def _failing(name: str, code: int, only: str | None = None) -> Callable[[], Any]:
+    """Arms ``os.<name>`` to fail with ``code`` (on files whose name is ``only``, when given)."""
     real = getattr(os, name)
 
     def fake(*args: Any) -> Any:
+        if only is not None and not os.readlink(f"/proc/self/fd/{args[0]}").endswith(only):
+            return real(*args)
         raise OSError(code, os.strerror(code))
 
     def arm() -> Any:
@@ -178,7 +181,9 @@ def io_errors(root: Path) -> dict[str, Any]:
         ("preadv EIO", 2, False, lambda e: _failing("preadv", errno.EIO)),
         ("truncated", 2, False, lambda e: _truncate(lambda: e.optimizer.store.directory / "exp_avg.swp",
                                                     e.optimizer.store.settle)),
-        ("params preadv EIO", 3, True, lambda e: _failing("preadv", errno.EIO)),
+        # the parameter file's reads only: the forward also reads optimizer state, stepping the
+        # sub-groups the last step left to it (SwappedStateStore.begin_step)
+        ("params preadv EIO", 3, True, lambda e: _failing("preadv", errno.EIO, only="params.swp")),
     ]
     for name, stage, params, fault in cases:
         nvme = root / name.replace(" ", "_")

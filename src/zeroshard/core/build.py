@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -135,7 +136,8 @@ def build_stage(module: torch.nn.Module, param_groups: list[dict[str, Any]], spe
                                      residencies=residencies)
             undo.callback(store.close)
             zero3 = _zero3_units(module, spec, policy, group, device, buckets, shard, frozen, lender, undo,
-                                 trains=trains, clock=clock, observer=observer)
+                                 trains=trains, clock=clock, observer=observer,
+                                 before_gather=_stepping_first(store) if isinstance(store, SwappedStateStore) else None)
             # One reduce-scatter per run of units up to a reduce buffer (half of reduce_bucket_size),
             # not one per unit: units are single modules, often far smaller (DeepSpeed buckets them too).
             # Launched as each unit completes, not in bucket order: its all-gathers already require
@@ -236,8 +238,9 @@ def _zero3_storage(module: torch.nn.Module, spec: StageSpec, policy: PrecisionPo
 def _zero3_units(module: torch.nn.Module, spec: StageSpec, policy: PrecisionPolicy, group: dist.ProcessGroup | None,
                  device: torch.device, buckets: list[Bucket], shard: ParamShard, frozen: FrozenShard | None,
                  lender: RowLender | None, undo: ExitStack, *, trains: bool, clock: StepClock | None,
-                 observer: ParamObserver) -> Zero3Parts:
-    """Stage 3's units, which adopt the trained parameters, and the coordinator that gathers them."""
+                 observer: ParamObserver, before_gather: Callable[[ParamUnit], None] | None = None) -> Zero3Parts:
+    """Stage 3's units, which adopt the trained parameters, and the coordinator that gathers them
+    (calling ``before_gather`` with each unit about to be gathered)."""
     names = {p: n for n, p in module.named_parameters()}
     secondaries = _secondary_shards(group, device, spec.hpz_partition_size) if spec.hpz_partition_size > 1 else None
     units = []
@@ -253,10 +256,22 @@ def _zero3_units(module: torch.nn.Module, spec: StageSpec, policy: PrecisionPoli
     for u in units:
         u.adopt()
     coordinator = ParamCoordinator(module, units + (frozen.units if frozen else []), spec.max_live_parameters,
-                                   spec.prefetch_bucket_size, release_after_forward=not trains, clock=clock)
+                                   spec.prefetch_bucket_size, release_after_forward=not trains, clock=clock,
+                                   before_gather=before_gather)
     undo.callback(coordinator.remove_hooks)
     coordinator.gather_persistent()
     return Zero3Parts(shard, units, frozen, lender, coordinator, UnitGradCounter(units, coordinator), secondaries)
+
+
+def _stepping_first(store: SwappedStateStore) -> Callable[[ParamUnit], None]:
+    """ZeRO-3 with swapped optimizer state: a trained unit is gathered only once the optimizer
+    step its masters are in has stepped and published them (the step runs as the next forward
+    gathers, so that its reads and writes overlap that forward; :meth:`SwappedStateStore.begin_step`)."""
+    def step_first(u: ParamUnit) -> None:
+        if not u.frozen:
+            store.step_through(u.bucket.index)
+
+    return step_first
 
 
 def _numel(b: Bucket) -> int:

@@ -589,15 +589,10 @@ class MicroStepReduceScatterSync(GradSync):
 
     def discard_pages(self, t: torch.Tensor) -> None:
         """Throw away ``t`` (a view of the spilled gradient shard, stepped): whole pages are removed
-        from the file (``MADV_REMOVE``), not written back; partial pages at its ends only dropped."""
-        if self._spill is None or self.acc is None or not t.numel():
-            return
-        base = self._spill.tensor(self.acc.dtype)
-        if self.acc.data_ptr() != base.data_ptr():  # moved elsewhere (engine.offload_states)
-            return
-        off = t.data_ptr() - base.data_ptr()
-        if 0 <= off < self._spill.nbytes:
-            self.discarded_bytes += self._spill.discard(off, t.numel() * t.element_size())
+        from the file (``MADV_REMOVE``), not written back; partial pages at its ends only dropped.
+        Also after :meth:`zero` (ZeRO-3 steps sub-groups during the next forward): ``t`` keeps the
+        mapping; a shard moved elsewhere (``engine.offload_states``) is left alone."""
+        self.discarded_bytes += host_memory.discard_file_pages(t)
 
     def _qgz_block(self, bucket: Bucket) -> int:
         block = self._qgz_blocks.get(bucket.index)

@@ -215,24 +215,9 @@ class FileMappedBuffer:
         (``MADV_REMOVE``: they read as zeros after, and are never written back, where dropped dirty
         pages would be), the partial pages at its ends only dropped (:meth:`drop`: they hold bytes
         outside the range). Returns the bytes removed from the file."""
-        end = min(start + length, self.nbytes)
-        first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
-        last = end // mmap.PAGESIZE * mmap.PAGESIZE
-        if last <= first or not FileMappedBuffer.punches_holes:
-            self.drop(start, length)
-            return 0
-        try:
-            self._map.madvise(mmap.MADV_REMOVE, first, last - first)
-        except OSError:  # a filesystem without hole punching: values stay, in the page cache
-            FileMappedBuffer.punches_holes = False
-            self.drop(start, length)
-            return 0
-        if first > start:
-            self.drop(start, first - start)
-        if end > last:
-            self.drop(last, end - last)
-        self.discarded += last - first
-        return last - first
+        removed = _discard_shared(self._map, self.nbytes, start, length)
+        self.discarded += removed
+        return removed
 
 
 def _unregister(key: int) -> Callable[[object], None]:
@@ -252,18 +237,54 @@ def _drop_shared(mapping: mmap.mmap, nbytes: int, start: int, length: int) -> in
     return last - first
 
 
+def _discard_shared(mapping: mmap.mmap, nbytes: int, start: int, length: int) -> int:
+    end = min(start + length, nbytes)
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    last = end // mmap.PAGESIZE * mmap.PAGESIZE
+    if last <= first or not FileMappedBuffer.punches_holes:
+        _drop_shared(mapping, nbytes, start, length)
+        return 0
+    try:
+        mapping.madvise(mmap.MADV_REMOVE, first, last - first)
+    except OSError:  # a filesystem without hole punching: values stay, in the page cache
+        FileMappedBuffer.punches_holes = False
+        _drop_shared(mapping, nbytes, start, length)
+        return 0
+    if first > start:
+        _drop_shared(mapping, nbytes, start, first - start)
+    if end > last:
+        _drop_shared(mapping, nbytes, last, end - last)
+    return last - first
+
+
 #: live file-backed mappings: id -> (address, bytes, the mapping), for :func:`drop_file_pages`
 _FILE_BACKED: dict[int, tuple[int, int, weakref.ReferenceType[mmap.mmap]]] = {}
+
+
+def discard_file_pages(t: torch.Tensor) -> int:
+    """Throw ``t``'s values away when ``t`` lies in a :class:`FileMappedBuffer` (see
+    :meth:`FileMappedBuffer.discard`), also after the buffer object is gone while ``t`` keeps its
+    mapping alive; anything else is left alone. Returns the bytes removed from the file."""
+    found = _file_backed(t)
+    return 0 if found is None else _discard_shared(found[0], found[1], t.data_ptr() - found[2],
+                                                   t.numel() * t.element_size())
+
+
+def _file_backed(t: torch.Tensor) -> tuple[mmap.mmap, int, int] | None:
+    """``(mapping, bytes, address)`` of the file-backed buffer ``t`` starts in, if any."""
+    if t.device.type != "cpu" or not t.numel() or not _FILE_BACKED:
+        return None
+    start = t.data_ptr()
+    for base, nbytes, ref in list(_FILE_BACKED.values()):
+        mapping = ref()
+        if mapping is not None and base <= start < base + nbytes:
+            return mapping, nbytes, base
+    return None
 
 
 def drop_file_pages(t: torch.Tensor) -> int:
     """Take ``t``'s pages out of the process when ``t`` lies in a :class:`FileMappedBuffer` (its
     values stay, in the page cache); anything else is left alone. Returns the bytes dropped."""
-    if t.device.type != "cpu" or not t.numel() or not _FILE_BACKED:
-        return 0
-    start = t.data_ptr()
-    for base, nbytes, ref in list(_FILE_BACKED.values()):
-        mapping = ref()
-        if mapping is not None and base <= start < base + nbytes:
-            return _drop_shared(mapping, nbytes, start - base, t.numel() * t.element_size())
-    return 0
+    found = _file_backed(t)
+    return 0 if found is None else _drop_shared(found[0], found[1], t.data_ptr() - found[2],
+                                                t.numel() * t.element_size())

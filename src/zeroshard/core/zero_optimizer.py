@@ -266,10 +266,10 @@ class ZeroOptimizer:
             # Clipped sub-group by sub-group as it is stepped, and its pages discarded after: a pass
             # clipping the whole file-backed shard first dirtied every page again, which the page
             # cache wrote back to the disk (about the shard's size per step) before the step read it.
-            self.store.step(g32, skip=unused, stepped=self._discarding(g32, stepped),
-                            prepare=self._clipping(g32, coef) if coef < 1.0 else None)
+            self._step_store(g32, unused, self._discarding(g32, stepped),
+                             self._clipping(g32, coef) if coef < 1.0 else None)
         else:
-            self.store.step(g32, skip=unused, stepped=stepped)
+            self._step_store(g32, unused, stepped, None)
         self.sync.zero()
         # Swap-file writes the step left in flight overlap the rest of the publish, and the next forward.
         if stepped is None:
@@ -301,6 +301,12 @@ class ZeroOptimizer:
         (collective when sharded)."""
         g32 = [g.float() for g in self.grad_shard()]
         return self._global_norm(g32) / float(self.scaler.scale)
+
+    def _step_store(self, g32: list[torch.Tensor], skip: set[torch.nn.Parameter],
+                    stepped: Callable[[SubGroup], None] | None, prepare: Callable[[SubGroup], None] | None) -> None:
+        """Step every sub-group of the state store (ZeRO-3 with swapped state overrides it: the
+        next forward steps them)."""
+        self.store.step(g32, skip=skip, stepped=stepped, prepare=prepare)
 
     @staticmethod
     def _clipping(g32: list[torch.Tensor], coef: float) -> Callable[[SubGroup], None]:

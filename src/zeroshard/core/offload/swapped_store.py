@@ -27,7 +27,12 @@ The price is when a write error shows: not in the step that wrote, but from
 :meth:`SwappedStateStore.settle`, which the next step calls first and which every reader of the
 files (checkpoint save, ``safe_get_*``, load) calls first too, so no value read from a file is
 one whose write failed. The error still names the file, the sub-group and the step that wrote.
-For the step,
+At ZeRO-3 the step can be begun and left pending (:meth:`SwappedStateStore.begin_step`): the
+sub-groups are stepped in order as the next forward gathers units whose masters they hold
+(:meth:`SwappedStateStore.step_through`), so their reads and writes overlap that forward; the rest
+before the next backward, and by :meth:`SwappedStateStore.settle` before any reader or writer of the
+files. Each steps with the param groups' options of the step's start (``lr`` included: a scheduler
+stepped meanwhile sets the next step's), so the values are those of the synchronous step. For the step,
 each master's ``.data`` and each per-element state entry (``optimizer.state[master]["exp_avg"]``...)
 are pointed at the slot; afterwards the masters go back to NaN placeholders
 (:func:`~zeroshard.core.master.swapped_placeholder`) and the entries are removed, so that the
@@ -42,7 +47,8 @@ aligned byte range around the parameter's elements, so nothing larger than one p
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -92,6 +98,20 @@ def _warn_if_no_saving(buffered: int, shard: int, files: int, sub_group_size: in
         "at least the %.1f MiB the optimizer state would hold without offload: nothing is saved. Leave "
         "zero_optimization.sub_group_size unset (zeroshard then picks sub-groups whose buffers hold a quarter "
         "of it) or set it below %d", sub_group_size, buffered * mib, shard * mib, shard // 4)
+
+
+@contextmanager
+def _hyperparameters(optimizer: torch.optim.Optimizer, options: list[dict[str, Any]]) -> Iterator[None]:
+    """The optimizer's param groups with ``options`` (a step's learning rate and the rest, taken
+    when it began) for the block, and as they are now after it."""
+    now = [{k: g[k] for k in o} for g, o in zip(optimizer.param_groups, options)]
+    for g, o in zip(optimizer.param_groups, options):
+        g.update(o)
+    try:
+        yield
+    finally:
+        for g, o in zip(optimizer.param_groups, now):
+            g.update(o)
 
 
 class _Slot:
@@ -156,6 +176,10 @@ class SwappedStateStore(StateStore):
         #: checked yet: :meth:`settle` raises their errors
         self._unchecked: list[IOHandle] = []
         self.steps = 0
+        #: a step begun and not finished (:meth:`begin_step`): its sub-groups, one per ``next``
+        self._pending: Iterator[None] | None = None
+        self._stepped = 0
+        self._subgroup_of = {b.index: sg.index for sg in self.subgroups for b in sg.buckets}
         if self.swap_masters:
             self._create(MASTER)
             self._write_initial_masters()
@@ -224,8 +248,54 @@ class SwappedStateStore(StateStore):
         """The pipelined step over sub-groups: read ahead, step, write behind. The last sub-groups'
         writes are still in flight when it returns (see :meth:`settle`). ``stepped`` and
         ``prepare`` as in :meth:`StateStore.step`."""
+        self.begin_step(grads, skip, stepped, prepare)
+        self.finish_step()
+
+    def begin_step(self, grads: list[torch.Tensor], skip: Collection[torch.nn.Parameter] = (),
+                   stepped: Callable[[SubGroup], None] | None = None,
+                   prepare: Callable[[SubGroup], None] | None = None) -> None:
+        """Start a step whose sub-groups are stepped later, in order, as :meth:`step_through` asks
+        for them (ZeRO-3: as the next forward gathers their units, so that the step's reads and
+        writes overlap that forward) or all at once by :meth:`finish_step`, which every reader and
+        writer of the state calls first (through :meth:`settle`). The step's hyperparameters are
+        those of now: a scheduler that changes the learning rate meanwhile changes the next step's."""
         self.settle()  # the previous step's writes, before any of its state is used
         self.steps += 1
+        options = [{k: v for k, v in g.items() if k != "params"} for g in self._opt.param_groups]
+        self._pending = self._steps(grads, skip, stepped, prepare, options)
+        self._stepped = 0
+        self.published = True  # each sub-group publishes as it is stepped
+
+    def step_through(self, bucket: int) -> None:
+        """Step the pending step's sub-groups up to the one holding ``bucket`` (no-op without one)."""
+        target = self._subgroup_of[bucket]
+        while self._pending is not None and self._stepped <= target:
+            self._advance()
+
+    def finish_step(self) -> None:
+        """Step every sub-group the pending step has left."""
+        while self._pending is not None:
+            self._advance()
+
+    @property
+    def step_pending(self) -> bool:
+        """Whether a step was begun and not all of its sub-groups are stepped."""
+        return self._pending is not None
+
+    def _advance(self) -> None:
+        assert self._pending is not None
+        try:
+            next(self._pending)
+            self._stepped += 1
+        except StopIteration:
+            self._pending = None
+        except BaseException:
+            self._pending = None
+            raise
+
+    def _steps(self, grads: list[torch.Tensor], skip: Collection[torch.nn.Parameter],
+               stepped: Callable[[SubGroup], None] | None, prepare: Callable[[SubGroup], None] | None,
+               options: list[dict[str, Any]]) -> Iterator[None]:
         n = len(self.subgroups)
         reads, self._early = self._early, {}
         ahead = len(reads)
@@ -243,7 +313,8 @@ class SwappedStateStore(StateStore):
                     prepare(sg)
                 self.master.attach_grads(grads, skip=skip, slices=sg.slices)
                 try:
-                    self._opt.step()
+                    with _hyperparameters(self._opt, options), torch.no_grad():
+                        self._opt.step()
                 finally:
                     self.master.detach_grads(sg.slices)
                 adopted = self._adopt_new_state(sg, slot)
@@ -263,16 +334,19 @@ class SwappedStateStore(StateStore):
                                          what=self._what(k, sg)) for k in self._kinds()]
             if stepped is not None:
                 stepped(sg)
+            if i < n - 1:
+                yield
         # The last sub-groups' writes stay in flight: they overlap the parameter publish and the
         # next forward and backward, where the next step's first reads queue behind them.
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        self.published = True
 
     def settle(self) -> None:
-        """Wait for every write still in flight. A write error surfaces here, naming the file, the
-        sub-group and the step that wrote: from the next :meth:`step`, or from whatever reads the
-        state first (a checkpoint save, ``safe_get_*``, a load)."""
+        """Finish a pending step (:meth:`begin_step`), then wait for every write still in flight. A
+        write error surfaces here, naming the file, the sub-group and the step that wrote: from the
+        next :meth:`step`, or from whatever reads the state first (a checkpoint save,
+        ``safe_get_*``, a load)."""
+        self.finish_step()
         handles, self._unchecked = self._unchecked, []
         for slot in self.slots:
             handles += slot.writes
@@ -449,7 +523,9 @@ class SwappedStateStore(StateStore):
         return out
 
     def close(self) -> None:
-        """Wait for pending writes, stop the I/O threads and remove the swap files."""
+        """Wait for pending writes, stop the I/O threads and remove the swap files (a step begun
+        and not finished is dropped with them)."""
+        self._pending = None
         try:
             self._cancel_prefetch()
         except OSError:

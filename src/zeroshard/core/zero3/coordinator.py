@@ -99,8 +99,12 @@ class ParamCoordinator:
     """Owns the module hooks of a ZeRO-3 model and decides when units are gathered and released."""
 
     def __init__(self, module: torch.nn.Module, units: list[ParamUnit], max_live_numel: int,
-                 prefetch_numel: int, *, release_after_forward: bool = False, clock: StepClock | None = None) -> None:
+                 prefetch_numel: int, *, release_after_forward: bool = False, clock: StepClock | None = None,
+                 before_gather: Callable[[ParamUnit], None] | None = None) -> None:
         self.units = units
+        #: called with each unit about to be gathered (the optimizer step still pending for its
+        #: masters steps them first: see :mod:`zeroshard.core.offload.swapped_store`)
+        self._before_gather = before_gather
         self.max_live_numel = max_live_numel
         self.prefetch_numel = prefetch_numel
         by_param = {p: u for u in units for p in u.params}
@@ -374,6 +378,8 @@ class ParamCoordinator:
         verified, that every rank gathers the same unit; ``exact``: not quantized (qwZ)."""
         if u.state is not UnitState.SHARDED:
             return
+        if self._before_gather is not None:
+            self._before_gather(u)
         if self._guard is not None:
             self._guard(self._unit_index[u], u.numel, "backward" if self._in_backward else "forward", u.gather_what)
         u.launch_gather(exact=exact)

@@ -38,6 +38,8 @@ from zeroshard.core import host_memory
 from zeroshard.core.offload import OffloadPolicy
 from zeroshard.core.offload.param_store import ParamShard
 from zeroshard.core.offload.policy import Residency
+from zeroshard.core.offload.state_store import SubGroup
+from zeroshard.core.offload.swapped_store import SwappedStateStore
 from zeroshard.core.precision import LossScaler, PrecisionPolicy
 from zeroshard.core.seam import the_unit
 from zeroshard.core.zero3.coordinator import ParamCoordinator
@@ -122,7 +124,10 @@ class Stage3Optimizer(ZeroOptimizer):
         return [acc[b.start : b.start + b.numel] for b in self.buckets]
 
     def start_backward(self, boundary: bool) -> None:
-        """Count the gradients each unit still waits for in this backward."""
+        """Count the gradients each unit still waits for in this backward (after the last step's
+        sub-groups the forward did not need: its gradients are read until then)."""
+        if isinstance(self.store, SwappedStateStore):
+            self.store.finish_step()
         super().start_backward(boundary)
         self.coordinator.start_backward(boundary)
         self._grads.start()
@@ -147,6 +152,16 @@ class Stage3Optimizer(ZeroOptimizer):
         for u in self.units:
             u.drop_secondary()
 
+    def _step_store(self, g32: list[torch.Tensor], skip: set[torch.nn.Parameter],
+                    stepped: Callable[[SubGroup], None] | None, prepare: Callable[[SubGroup], None] | None) -> None:
+        """With swapped optimizer state, begin the step only: its sub-groups are stepped as the next
+        forward gathers their units (their reads and writes overlap it), and whatever reads or
+        writes the state first finishes it (:meth:`SwappedStateStore.begin_step`)."""
+        if isinstance(self.store, SwappedStateStore):
+            self.store.begin_step(g32, skip=skip, stepped=stepped, prepare=prepare)
+        else:
+            super()._step_store(g32, skip, stepped, prepare)
+
     def _begin_publish(self) -> None:
         """Nothing to gather: the store publishes each stepped sub-group into the parameter shard."""
         return None
@@ -163,6 +178,8 @@ class Stage3Optimizer(ZeroOptimizer):
                 self.coordinator.live.pop(u, None)
                 # Persistent units are visible between steps: user code may hold their tensors.
                 u.release(free_storage=not u.persistent)
+            if isinstance(self.store, SwappedStateStore) and self.store.step_pending:
+                return  # gathered by the next forward, once their sub-groups are stepped, as the others
             self.coordinator.gather_persistent()
 
     def write_back(self, p: torch.nn.Parameter) -> None:
