@@ -42,7 +42,7 @@ import os
 import tempfile
 import weakref
 from collections.abc import Callable
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import torch
 
@@ -180,10 +180,6 @@ class FileMappedBuffer:
     disappears with the last tensor viewing the buffer, also when the process dies.
     """
 
-    #: whether :meth:`discard` punches holes (Linux's ``MADV_REMOVE``; tmpfs, ext4, xfs and btrfs
-    #: support it): turned off for the process at the first filesystem that refuses
-    punches_holes: ClassVar[bool] = hasattr(mmap, "MADV_REMOVE")
-
     def __init__(self, directory: os.PathLike[str] | str, nbytes: int) -> None:
         fd, path = tempfile.mkstemp(prefix="spill-", suffix=".buf", dir=directory)
         try:
@@ -241,13 +237,12 @@ def _discard_shared(mapping: mmap.mmap, nbytes: int, start: int, length: int) ->
     end = min(start + length, nbytes)
     first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
     last = end // mmap.PAGESIZE * mmap.PAGESIZE
-    if last <= first or not FileMappedBuffer.punches_holes:
+    if last <= first or not hasattr(mmap, "MADV_REMOVE"):
         _drop_shared(mapping, nbytes, start, length)
         return 0
-    try:
+    try:  # Linux's hole punching through a mapping: tmpfs, ext4, xfs and btrfs support it
         mapping.madvise(mmap.MADV_REMOVE, first, last - first)
-    except OSError:  # a filesystem without hole punching: values stay, in the page cache
-        FileMappedBuffer.punches_holes = False
+    except OSError:  # a filesystem without it: the values stay, in the page cache
         _drop_shared(mapping, nbytes, start, length)
         return 0
     if first > start:

@@ -15,13 +15,14 @@ from zeroshard.core.clock import StepClock
 from zeroshard.core.precision import PrecisionPolicy
 from zeroshard.core.zero_optimizer import ZeroOptimizer
 from zeroshard.deepspeed.engine_api import DeepSpeedEngineAPI
+from zeroshard.deepspeed.offload_states import EngineStateOffload
 from zeroshard.deepspeed.timers import ThroughputTimer
 from zeroshard.engine import Engine
 
 __all__ = ["ZeroEngine"]
 
 
-class ZeroEngine(DeepSpeedEngineAPI, Engine):
+class ZeroEngine(DeepSpeedEngineAPI, EngineStateOffload, Engine):
     """zeroshard's engine under DeepSpeed's API: ``engine(batch)``, ``engine.backward(loss)``,
     ``engine.step()``, and the 180 public methods and properties of DeepSpeed 0.19.8's engine
     (those not supported yet raise ``NotYetSupportedError`` naming the reason)."""
