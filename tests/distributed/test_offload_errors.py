@@ -91,10 +91,15 @@ def config_errors(root: Path) -> dict[str, Any]:
     a_file.write_text("not a directory")
     out["no key"] = _init_error(config(2, None))
     out["no key params"] = _init_error(config(3, str(good), None, params=True))
-    out["missing"] = _init_error(config(2, str(missing)))
+    # a path that does not exist is created, as DeepSpeed does (its own NVMe tests name one)
+    engine, *_ = zeroshard.initialize(model=make_model(0), config=config(3, str(missing), str(missing / "p"),
+                                                                         params=True))
+    out["created"] = missing.is_dir() and (missing / "p").is_dir()
+    engine.destroy()
     out["a file"] = _init_error(config(2, str(a_file)))
-    out["missing params"] = _init_error(config(3, str(good), str(missing), params=True))
-    out["paths"] = {"missing": str(missing), "a file": str(a_file), "good": str(good)}
+    out["under a file"] = _init_error(config(2, str(a_file / "sub")))
+    out["under a file params"] = _init_error(config(3, str(good), str(a_file / "sub"), params=True))
+    out["paths"] = {"a file": str(a_file), "under a file": str(a_file / "sub"), "good": str(good)}
 
     # Too little space: the swap files' size is known from an engine that fits.
     engine, *_ = zeroshard.initialize(model=make_model(0), config=config(2, str(good)))
@@ -245,9 +250,10 @@ def test_bad_nvme_paths_are_config_errors_from_initialize(results: dict[str, Any
     paths = r["paths"]
     assert r["no key"]["key"] == OPT_KEY, r["no key"]
     assert r["no key params"]["key"] == PARAM_KEY, r["no key params"]
-    for case, key, path, words in (("missing", OPT_KEY, paths["missing"], "does not exist"),
+    assert r["created"], "a missing nvme_path is created, as DeepSpeed creates it"
+    for case, key, path, words in (("under a file", OPT_KEY, paths["under a file"], "cannot be created"),
                                    ("a file", OPT_KEY, paths["a file"], "is not a directory"),
-                                   ("missing params", PARAM_KEY, paths["missing"], "does not exist")):
+                                   ("under a file params", PARAM_KEY, paths["under a file"], "cannot be created")):
         got = r[case]
         assert got["key"] == key, (case, got)
         assert path in got["message"] and words in got["message"], (case, got["message"])

@@ -348,10 +348,12 @@ KEY = "zero_optimization.offload_optimizer.nvme_path"
 
 def test_check_free_space_missing_and_not_a_directory(tmp_path: Path) -> None:
     check_free_space(tmp_path, 1, KEY)
-    with pytest.raises(ConfigError, match="does not exist") as e:
-        check_free_space(tmp_path / "nope", 1, KEY)
-    assert e.value.key == KEY and str(tmp_path / "nope") in str(e.value)
+    check_free_space(tmp_path / "new" / "dir", 1, KEY)  # created with its parents, as DeepSpeed does
+    assert (tmp_path / "new" / "dir").is_dir()
     (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="does not exist and cannot be created") as e:
+        check_free_space(tmp_path / "file" / "nope", 1, KEY)
+    assert e.value.key == KEY and str(tmp_path / "file" / "nope") in str(e.value)
     with pytest.raises(ConfigError, match=r"file is not a directory"):
         check_free_space(tmp_path / "file", 1, KEY)
 

@@ -95,8 +95,9 @@ def _human(nbytes: int) -> str:
 
 
 def check_free_space(directory: Path, nbytes: int, what: str) -> None:
-    """Check that ``directory`` exists, is a writable directory, and has ``nbytes`` bytes free
-    (after removing the swap directories of dead processes of this host: :func:`remove_stale_swap_dirs`).
+    """Check that ``directory`` is a writable directory (created, with its parents, when it does not
+    exist, as DeepSpeed does) with ``nbytes`` bytes free (after removing the swap directories of dead
+    processes of this host: :func:`remove_stale_swap_dirs`).
 
     Args:
         directory: where swap files will go (the config's ``nvme_path``).
@@ -109,7 +110,13 @@ def check_free_space(directory: Path, nbytes: int, what: str) -> None:
     """
     directory = Path(directory)
     if not directory.exists():
-        raise ConfigError(f"{directory} does not exist; create it or point the key at another directory", key=what)
+        # DeepSpeed creates it (os.makedirs): a config naming a fresh path works unchanged
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"{directory} does not exist and cannot be created ({e.strerror}); create it or point "
+                              "the key at another directory", key=what) from e
+        logger.info("zeroshard: created %s (%s) for the swap files", directory, what)
     if not directory.is_dir():
         raise ConfigError(f"{directory} is not a directory; swap files need a directory to go in", key=what)
     if not os.access(directory, os.W_OK | os.X_OK):
