@@ -8,7 +8,6 @@ the masters right after the step (``safe_get_full_fp32_param``) sees the stepped
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -58,9 +57,15 @@ def worker(rank: int, world: int, nvme: str) -> dict[str, Any]:
             for persistent in (False, True)}
 
 
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_distributed(worker, 2, str(tmp_path_factory.mktemp("nvme")), timeout=600)
+
+
 @pytest.mark.parametrize("persistent", [False, True])
-def test_step_overlapping_the_next_forward_trains_the_same_bits(tmp_path: Path, persistent: bool) -> None:
-    for r in run_distributed(worker, 2, str(tmp_path), timeout=600):
+def test_step_overlapping_the_next_forward_trains_the_same_bits(results: list[dict[str, Any]],
+                                                                persistent: bool) -> None:
+    for r in results:
         mem, nv = r[persistent]["memory"], r[persistent]["nvme"]
         assert all(nv["pending"]) and not any(mem["pending"]), (nv["pending"], mem["pending"])
         assert all(torch.equal(a, b) for a, b in zip(nv["seen"], mem["seen"])) and nv["seen"]
