@@ -577,22 +577,19 @@ class MicroStepReduceScatterSync(GradSync):
         return [self.acc, *self._acc_views] if self.acc is not None else []
 
     def release_pages(self, t: torch.Tensor) -> None:
-        """Take the pages of ``t`` (a view of the gradient shard) out of the process, when spilled."""
-        if self._spill is None or self.acc is None or not t.numel():
-            return
-        base = self._spill.tensor(self.acc.dtype)
-        if self.acc.data_ptr() != base.data_ptr():  # moved elsewhere (engine.offload_states)
-            return
-        off = t.data_ptr() - base.data_ptr()
-        if 0 <= off < self._spill.nbytes:  # not a copy made elsewhere (a cast to fp32)
-            self._spill.drop(off, t.numel() * t.element_size())
+        """Take the pages of ``t`` (a view of the gradient shard) out of the process, when spilled; a
+        shard moved elsewhere (``engine.offload_states``) or a copy of ``t`` (a cast to fp32) is no
+        file-backed buffer and is left alone."""
+        if self.spills:
+            host_memory.drop_file_pages(t)
 
     def discard_pages(self, t: torch.Tensor) -> None:
         """Throw away ``t`` (a view of the spilled gradient shard, stepped): whole pages are removed
         from the file (``MADV_REMOVE``), not written back; partial pages at its ends only dropped.
         Also after :meth:`zero` (ZeRO-3 steps sub-groups during the next forward): ``t`` keeps the
-        mapping; a shard moved elsewhere (``engine.offload_states``) is left alone."""
-        self.discarded_bytes += host_memory.discard_file_pages(t)
+        mapping; as in :meth:`release_pages`, what is not file-backed is left alone."""
+        if self.spills:
+            self.discarded_bytes += host_memory.discard_file_pages(t)
 
     def _qgz_block(self, bucket: Bucket) -> int:
         block = self._qgz_blocks.get(bucket.index)

@@ -147,6 +147,25 @@ class StateStore:
                 stepped(sg)
         self.published = True
 
+    def begin_step(self, grads: list[torch.Tensor], skip: Collection[torch.nn.Parameter] = (),
+                   stepped: Callable[[SubGroup], None] | None = None,
+                   prepare: Callable[[SubGroup], None] | None = None) -> None:
+        """Start a step that the store may leave pending, its sub-groups stepped later by
+        :meth:`step_through` and :meth:`finish_step` (the swapped store does: ZeRO-3 overlaps its
+        I/O with the next forward); in memory, the whole :meth:`step`."""
+        self.step(grads, skip, stepped, prepare)
+
+    def step_through(self, bucket: int) -> None:
+        """Step the pending step's sub-groups up to the one holding ``bucket`` (none pending here)."""
+
+    def finish_step(self) -> None:
+        """Step every sub-group a pending step has left (none here)."""
+
+    @property
+    def step_pending(self) -> bool:
+        """Whether a step was begun and not all of its sub-groups are stepped."""
+        return False
+
     def _step_resident(self, sg: SubGroup, grads: list[torch.Tensor], skip: Collection[torch.nn.Parameter]) -> None:
         self.master.attach_grads(grads, skip=skip, slices=sg.slices)
         try:

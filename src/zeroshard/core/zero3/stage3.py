@@ -39,7 +39,6 @@ from zeroshard.core.offload import OffloadPolicy
 from zeroshard.core.offload.param_store import ParamShard
 from zeroshard.core.offload.policy import Residency
 from zeroshard.core.offload.state_store import SubGroup
-from zeroshard.core.offload.swapped_store import SwappedStateStore
 from zeroshard.core.precision import LossScaler, PrecisionPolicy
 from zeroshard.core.seam import the_unit
 from zeroshard.core.zero3.coordinator import ParamCoordinator
@@ -126,8 +125,7 @@ class Stage3Optimizer(ZeroOptimizer):
     def start_backward(self, boundary: bool) -> None:
         """Count the gradients each unit still waits for in this backward (after the last step's
         sub-groups the forward did not need: its gradients are read until then)."""
-        if isinstance(self.store, SwappedStateStore):
-            self.store.finish_step()
+        self.store.finish_step()
         super().start_backward(boundary)
         self.coordinator.start_backward(boundary)
         self._grads.start()
@@ -154,13 +152,10 @@ class Stage3Optimizer(ZeroOptimizer):
 
     def _step_store(self, g32: list[torch.Tensor], skip: set[torch.nn.Parameter],
                     stepped: Callable[[SubGroup], None] | None, prepare: Callable[[SubGroup], None] | None) -> None:
-        """With swapped optimizer state, begin the step only: its sub-groups are stepped as the next
-        forward gathers their units (their reads and writes overlap it), and whatever reads or
-        writes the state first finishes it (:meth:`SwappedStateStore.begin_step`)."""
-        if isinstance(self.store, SwappedStateStore):
-            self.store.begin_step(g32, skip=skip, stepped=stepped, prepare=prepare)
-        else:
-            super()._step_store(g32, skip, stepped, prepare)
+        """Begin the step only: with swapped optimizer state its sub-groups are stepped as the next
+        forward gathers their units (their reads and writes overlap it), and whatever reads or writes
+        the state first finishes it (``SwappedStateStore.begin_step``); in memory, the whole step."""
+        self.store.begin_step(g32, skip=skip, stepped=stepped, prepare=prepare)
 
     def _begin_publish(self) -> None:
         """Nothing to gather: the store publishes each stepped sub-group into the parameter shard."""
@@ -178,7 +173,7 @@ class Stage3Optimizer(ZeroOptimizer):
                 self.coordinator.live.pop(u, None)
                 # Persistent units are visible between steps: user code may hold their tensors.
                 u.release(free_storage=not u.persistent)
-            if isinstance(self.store, SwappedStateStore) and self.store.step_pending:
+            if self.store.step_pending:
                 return  # gathered by the next forward, once their sub-groups are stepped, as the others
             self.coordinator.gather_persistent()
 
