@@ -6,12 +6,15 @@ Not to be confused with :mod:`zeroshard.checkpoint`, which saves and loads train
 - ``settings.py``: :func:`configure`, :func:`is_configured`, the config block, the process-wide settings;
 - ``storage.py``: where the inputs wait (whole, partitioned over the model-parallel group, on the host);
 - ``rng.py``: the named RNG states of model-parallel dropout (``get_cuda_rng_tracker``);
-- ``function.py``: :func:`checkpoint` itself, on ``torch.utils.checkpoint`` (non-reentrant).
+- ``function.py``: :func:`checkpoint` itself, on ``torch.utils.checkpoint`` (non-reentrant);
+- ``offload.py``: :class:`HiddenStatesOffload`, saved-tensor hooks that move the marked inputs of
+  checkpointed regions to host memory until backward (DeepSpeed's ``CheckpointHiddenStatesOffload``).
 """
 
 from __future__ import annotations
 
 from zeroshard.activations.function import checkpoint, non_reentrant_checkpoint
+from zeroshard.activations.offload import HiddenStatesOffload, OffloadStats, current_offload
 from zeroshard.activations.rng import (
     RNGStatesTracker,
     get_cuda_rng_tracker,
@@ -37,6 +40,8 @@ def reset() -> None:
 
 __all__ = [
     "STATS",
+    "HiddenStatesOffload",
+    "OffloadStats",
     "RNGStatesTracker",
     "SavedInputStats",
     "Settings",
@@ -44,6 +49,7 @@ __all__ = [
     "configure",
     "configure_from_initialize",
     "current",
+    "current_offload",
     "get_cuda_rng_tracker",
     "is_configured",
     "model_parallel_cuda_manual_seed",

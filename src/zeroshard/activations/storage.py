@@ -10,6 +10,10 @@ pack/unpack hooks around that save:
 - unpack (backward, when the region is recomputed): move it back and all-gather the slices over
   the model-parallel group, on the tensor's own device.
 
+An input marked for an active activation offload (``offload.py``, DeepSpeed's
+``CheckpointHiddenStatesOffload``) is handed to it instead: these hooks are the innermost, so the
+offload's own would never see the input.
+
 Partitioning is only correct when every rank of the group holds the *same* input, as tensor
 parallelism guarantees for the activations between its layers; data-parallel ranks hold different
 activations and cannot partition them. The first partitioned input after each configuration is
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from zeroshard.activations import settings as _settings
+from zeroshard.activations.offload import OffloadedTensorRef, current_offload
 from zeroshard.activations.settings import Settings
 from zeroshard.core.comm import collectives as C
 from zeroshard.errors import DistributedError
@@ -171,11 +176,15 @@ def saved_inputs(s: Settings) -> Iterator[None]:
 
     The settings are bound now, so a region is recomputed with the group it was packed for.
     """
-    def pack(t: torch.Tensor) -> Packed:
-        return _pack(t, s)
+    def pack(t: torch.Tensor) -> Packed | OffloadedTensorRef:
+        # an input marked for an active activation offload (offload.py) goes there: these hooks hide
+        # the offload's own, which would otherwise never see it
+        offload = current_offload()
+        ref = offload.pack_marked(t) if offload is not None else None
+        return ref if ref is not None else _pack(t, s)
 
-    def unpack(p: Packed) -> torch.Tensor:
-        return _unpack(p, s)
+    def unpack(p: Packed | OffloadedTensorRef) -> torch.Tensor:
+        return p.unpack() if isinstance(p, OffloadedTensorRef) else _unpack(p, s)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield

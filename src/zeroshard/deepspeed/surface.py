@@ -194,8 +194,8 @@ MODULES: dict[str, Entry] = {
         **_SCHEDULES, "VALID_LR_SCHEDULES": "zeroshard.deepspeed.misc:VALID_LR_SCHEDULES"}),
     "deepspeed.runtime.activation_checkpointing": Entry(),
     "deepspeed.runtime.activation_checkpointing.checkpointing": _ACTIVATION_CKPT,
-    "deepspeed.runtime.activation_checkpointing.offload_activations": Entry(placeholders=_internal(
-        "CheckpointHiddenStatesOffload", "get_checkpoint_hidden_states_offloading_ctx_manager")),
+    "deepspeed.runtime.activation_checkpointing.offload_activations": Entry(
+        forward=("zeroshard.deepspeed.activation_offload",)),
     "deepspeed.runtime.zero": Entry(forward=("zeroshard.deepspeed.runtime.zero", "zeroshard.zero"), names=_RUNTIME_ZERO,
                                     placeholders=frozenset({"register_external_parameter", "DeepSpeedZeRoOffload"})),
     "deepspeed.runtime.zero.tiling": Entry(forward=("zeroshard.deepspeed.runtime.zero.tiling",)),
