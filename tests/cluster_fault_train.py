@@ -17,6 +17,12 @@ so a job of 4 ranks and one of 2 ranks with ``--ga 2`` train on the same samples
   failure, its pid, the error's type, message and traceback) and raises it again (torchrun
   prints it on stderr).
 - ``--resume``: ``engine.load_checkpoint(--ckpt)`` first (the latest complete checkpoint).
+- ``--kill-at MOMENT:S`` (``scripts/cluster_fault_trials.py``): on node 1 (torchrun's ``GROUP_RANK``),
+  every rank touches ``<out>/at.rank<R>`` when it reaches ``MOMENT`` of step ``S`` (``forward``,
+  ``backward``, ``step``, ``save``: as it enters that engine call; ``agreement``: the backward's
+  agreement check, where it then waits to be killed, so that node 0 is inside the check's
+  all-gather): the trial kills node 1 then. ``--layers``/``--hidden`` make the MLP larger, so that a
+  kill lands inside a call; ``--timeout 0`` leaves ``collective_timeout`` at its default.
 - At the end rank 0 writes the parameters to ``<out>/final.safetensors`` and every rank touches
   ``<out>/final.rank<R>.done`` last (:func:`teardown.done_markers`).
 """
@@ -55,6 +61,34 @@ class Pause(nn.Module):
         return x
 
 
+def _mark(engine: object, marker: Path, moment: str, step: str) -> None:
+    """Touch ``marker`` when this rank reaches ``moment`` of optimizer step ``step`` (``--kill-at``)."""
+    at = int(step)
+    if moment == "agreement":
+        from zeroshard.core.comm import agreement
+
+        check = agreement.check
+
+        def held(*args: object, **kwargs: object) -> None:
+            backward = kwargs.get("kind", agreement.BACKWARD) == agreement.BACKWARD
+            if getattr(engine, "global_steps", -1) == at and backward:
+                marker.write_text(moment)
+                time.sleep(3600)  # killed here: node 0 waits in the check's all-gather
+            check(*args, **kwargs)  # type: ignore[arg-type]
+
+        agreement.check = held  # type: ignore[assignment]
+        return
+    name = {"forward": "forward", "backward": "backward", "step": "step", "save": "save_checkpoint"}[moment]
+    call = getattr(engine, name)
+
+    def marked(*args: object, **kwargs: object) -> object:
+        if getattr(engine, "global_steps", -1) == at and not marker.exists():
+            marker.write_text(moment)
+        return call(*args, **kwargs)
+
+    setattr(engine, name, marked)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -68,6 +102,9 @@ def main() -> None:
     ap.add_argument("--pause-at", type=int, default=-1)
     ap.add_argument("--pause-s", type=float, default=1.0)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--kill-at", default="", help="MOMENT:STEP at which node 1's ranks mark that they are there")
+    ap.add_argument("--hidden", type=int, default=HIDDEN)
+    ap.add_argument("--layers", type=int, default=1, help="hidden-to-hidden layers")
     a = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     micro = a.batch // (world * a.ga)
@@ -75,14 +112,18 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     pause = Pause(a.out, rank, a.pause_at, a.pause_s)
-    model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), pause, nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
-                          nn.Linear(HIDDEN, OUT))
+    hidden = [m for _ in range(a.layers) for m in (nn.Linear(a.hidden, a.hidden), nn.Tanh())]
+    model = nn.Sequential(nn.Linear(IN, a.hidden), nn.Tanh(), pause, *hidden, nn.Linear(a.hidden, OUT))
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": a.ga,
               "gradient_clipping": 1.0, "collective_timeout": a.timeout,
               "zero_optimization": {"stage": a.stage, "stage3_param_persistence_threshold": 0},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    if a.timeout <= 0:
+        del config["collective_timeout"]
     try:
         engine, *_ = zeroshard.initialize(model=model, config=config)
+        if a.kill_at and int(os.environ.get("GROUP_RANK", "0")) == 1:
+            _mark(engine, a.out / f"at.rank{rank}", *a.kill_at.split(":"))
         if a.resume:
             engine.load_checkpoint(str(a.ckpt))
         for step in range(engine.global_steps, a.steps):

@@ -7,6 +7,10 @@ mismatch inside a collective hangs instead of raising. Every collective here rai
 started inside an :func:`on_ranks` block (code that some ranks do not run; see
 :mod:`zeroshard.core.comm.subset`), and goes through :func:`_logged`, where the communication logger
 (:mod:`zeroshard.monitor.comms`) times it while one is installed in :data:`HOOK`.
+
+Every wait on a host-side (gloo) collective, point-to-point rings included, goes through
+:func:`~zeroshard.core.comm.watchdog.wait_work`: in slices that raise the watchdog's verdict when a
+peer's process is gone, instead of one wait that gloo may never wake (:class:`Watched`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.core import host_memory
+from zeroshard.core.comm import watchdog
 from zeroshard.core.comm.subset import BLOCKS, refuse
 from zeroshard.core.comm.subset import on_ranks as on_ranks  # C.on_ranks(ranks, what), next to what it guards
 from zeroshard.core.comm.topology import WORLD, level_of
@@ -71,6 +76,35 @@ def _logged(op: str, nbytes: int, device: torch.device, launch: Callable[[], _W]
     if recorder is None:
         return launch()
     return recorder.run(op, nbytes, device, launch, level_of(group))
+
+
+class Watched:
+    """A host-side (gloo) collective's handle whose :meth:`wait` is done in slices that check the
+    watchdog's verdict (:func:`~zeroshard.core.comm.watchdog.wait_work`); everything else is the
+    handle's own."""
+
+    __slots__ = ("work",)
+
+    def __init__(self, work: dist.Work) -> None:
+        self.work = work
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        watchdog.wait_work(self.work, timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return bool(self.work.is_completed())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.work, name)
+
+
+def _watched(work: Any, device: torch.device) -> Any:
+    """``work`` made :class:`Watched` when it runs on the host (gloo); an accelerator's (NCCL) wait
+    only orders streams and is woken by the watchdog's abort, so it stays as it is."""
+    if work is None or device.type != "cpu" or isinstance(work, Watched):
+        return work
+    return Watched(work)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -137,8 +171,13 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | N
     if world_size(group) == 1:
         out.copy_(inp)
         return None
-    work: dist.Work | None = _logged("reduce_scatter_tensor", _nbytes(inp), inp.device,
-                                     lambda: _reduce_scatter_flat(out, inp, group=group, async_op=async_op), group)
+    host = inp.device.type == "cpu"
+    work: dist.Work | None = _logged(
+        "reduce_scatter_tensor", _nbytes(inp), inp.device,
+        lambda: _watched(_reduce_scatter_flat(out, inp, group=group, async_op=async_op or host), inp.device), group)
+    if not async_op and work is not None:
+        work.wait()
+        return None
     return work
 
 
@@ -173,7 +212,9 @@ class _Ring:
         while self.works is not None:
             for w in self.works:
                 if w is not None:
-                    w.wait(self.timeout)
+                    # gloo wakes neither a receive whose message had begun to arrive nor a send partly
+                    # written when the peer dies: the watchdog's verdict ends such a wait
+                    watchdog.wait_work(w, self.timeout)
             self._arrived()
             self.step += 1
             self.works = self._post() if self.step < self.n - 1 else None
@@ -221,7 +262,8 @@ def reduce_scatter_rows(buf: torch.Tensor, group: ProcessGroup | None, tag: int 
                        lambda: _RingReduceScatter(buf, group, tag), group)
     out = torch.empty(rows.shape[1], dtype=buf.dtype, device=buf.device)
     return _logged("reduce_scatter_tensor", _nbytes(buf), buf.device,
-                   lambda: ReducedRow(_reduce_scatter_flat(out, buf, group=group, async_op=True), out), group)
+                   lambda: ReducedRow(_watched(_reduce_scatter_flat(out, buf, group=group, async_op=True), buf.device),
+                                      out), group)
 
 
 class _RingAllGather(_Ring):
@@ -284,8 +326,13 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None,
             return work
         ringed: dist.Work | None = _logged("all_gather_into_tensor", _nbytes(out), out.device, ring, group)
         return ringed
-    work: dist.Work | None = _logged("all_gather_into_tensor", _nbytes(out), out.device,
-                                     lambda: _all_gather_flat(out, inp, group=group, async_op=async_op), group)
+    host = out.device.type == "cpu"
+    work: dist.Work | None = _logged(
+        "all_gather_into_tensor", _nbytes(out), out.device,
+        lambda: _watched(_all_gather_flat(out, inp, group=group, async_op=async_op or host), out.device), group)
+    if not async_op and work is not None:  # on the host, waited in slices here
+        work.wait()
+        return None
     return work
 
 
@@ -295,8 +342,13 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, async_op: bool 
     _begin("all-reduce")
     if world_size(group) == 1:
         return None
-    work: dist.Work | None = _logged("all_reduce", _nbytes(tensor), tensor.device,
-                                     lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), group)
+    host = tensor.device.type == "cpu"
+    work: dist.Work | None = _logged(
+        "all_reduce", _nbytes(tensor), tensor.device,
+        lambda: _watched(dist.all_reduce(tensor, op=op, group=group, async_op=async_op or host), tensor.device), group)
+    if not async_op and work is not None:
+        work.wait()
+        return None
     return work
 
 
@@ -304,15 +356,17 @@ def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> Non
     """Blocking broadcast from global rank ``src``."""
     _begin("broadcast")
     if world_size(group) > 1:
-        _logged("broadcast", _nbytes(tensor), tensor.device, lambda: dist.broadcast(tensor, src=src, group=group),
-                group)
+        _sync(_logged("broadcast", _nbytes(tensor), tensor.device, partial(_start_broadcast, tensor, src, group),
+                      group))
 
 
 def barrier(group: ProcessGroup | None) -> None:
     """Block until every rank of ``group`` reaches it."""
     _begin("barrier")
     if world_size(group) > 1:
-        _logged("barrier", 0, torch.device("cpu"), lambda: dist.barrier(group=group), group)
+        host = dist.get_backend(group) == "gloo"
+        device = torch.device("cpu") if host else control_device(group)
+        _sync(_logged("barrier", 0, device, lambda: _watched(dist.barrier(group=group, async_op=host), device), group))
 
 
 def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: ProcessGroup | None,
@@ -334,10 +388,22 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: Proces
         buckets = consecutive_runs(kind, lambda t: t.numel() * t.element_size(), bucket_bytes)
         for chunk in buckets:
             flat = torch.cat([x.reshape(-1) for x in chunk])
-            _logged("broadcast", _nbytes(flat), flat.device, partial(dist.broadcast, flat, src=src, group=group), group)
+            _sync(_logged("broadcast", _nbytes(flat), flat.device, partial(_start_broadcast, flat, src, group), group))
             if receiving:
                 for x, piece in zip(chunk, flat.split([x.numel() for x in chunk])):
                     x.copy_(piece.view_as(x))
+
+
+def _start_broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> Any:
+    """A broadcast: on the host started asynchronously, to be waited in slices (:func:`_sync`)."""
+    host = tensor.device.type == "cpu"
+    return _watched(dist.broadcast(tensor, src=src, group=group, async_op=host), tensor.device)
+
+
+def _sync(work: Any) -> None:
+    """Wait for a collective that its caller expects done on return."""
+    if work is not None:
+        work.wait()
 
 
 def gather_ragged(values: Sequence[int], group: ProcessGroup | None, what: str) -> torch.Tensor:
