@@ -19,6 +19,10 @@ from zeroshard.errors import (
 
 __version__ = "0.1.0"
 
+from zeroshard import moved_modules  # noqa: E402  (old module paths keep working: docs/deprecations.md)
+
+moved_modules.install()
+
 if TYPE_CHECKING:
     from zeroshard.core.comm.groups import init_distributed
     from zeroshard.deepspeed.accelerator import get_accelerator

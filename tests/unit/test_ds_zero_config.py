@@ -60,13 +60,13 @@ def test_null_offload_blocks_in_a_config_file() -> None:
 
 def test_keys_of_features_zeroshard_lacks_read_back_as_given() -> None:
     """The object reads a block (DeepSpeed's test_zeropp reads hpZ's size from it); the config
-    loader refuses hpZ where it cannot run (below stage 3), and the size where the ranks of a node
-    are known (initialize: tests/distributed/test_zeropp.py)."""
+    loader ignores hpZ below stage 3 with a warning, as DeepSpeed ignores it there, and refuses the
+    size where the ranks of a node are known (initialize: tests/distributed/test_zeropp.py)."""
     assert DeepSpeedZeroConfig(zero_hpz_partition_size=4).zero_hpz_partition_size == 4
     assert load_config({"train_batch_size": 2, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 4}},
                        1).zero_optimization.zero_hpz_partition_size == 4
-    with pytest.raises(ConfigError, match="zero_hpz_partition_size"):
-        load_config({"train_batch_size": 2, "zero_optimization": {"stage": 2, "zero_hpz_partition_size": 4}}, 1)
+    assert load_config({"train_batch_size": 2, "zero_optimization": {"stage": 2, "zero_hpz_partition_size": 4}},
+                       1).zero_optimization.zero_hpz_partition_size == 1
 
 
 def test_ensure_zero_ordered_dict_as_deepspeeds_helper() -> None:

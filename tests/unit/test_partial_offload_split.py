@@ -76,7 +76,6 @@ def test_ratio_loads_at_stage3_and_reaches_the_policy() -> None:
     ({"stage": 1, "offload_optimizer": {"device": "cpu", "ratio": 0.0}}, "requires ZeRO stage 3, not stage 1"),
     # DeepSpeed's validator refuses it below stage 3 whatever the device
     ({"stage": 2, "offload_optimizer": {"device": "none", "ratio": 0.5}}, "requires ZeRO stage 3"),
-    ({"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp", "ratio": 0.5}}, '"cpu", not "nvme"'),
     ({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 1.5}}, "less than or equal to 1"),
     ({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": -0.1}}, "greater than or equal to 0"),
 ])

@@ -22,6 +22,7 @@ from zeroshard.config.compat import (
     reject_deepspeed_only,
 )
 from zeroshard.config.schema import ZeroshardConfig
+from zeroshard.config.stage_scope import drop_out_of_scope
 from zeroshard.config.support import check_supported
 from zeroshard.config.validation import check_json_data, config_error_from_validation
 from zeroshard.errors import ConfigError
@@ -92,7 +93,12 @@ def read_config(config: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str,
 
 
 def _check_consistency(cfg: ZeroshardConfig) -> None:
-    """Cross-key checks that a single field's validation cannot express."""
+    """Cross-key checks that a single field's validation cannot express.
+
+    Each refusal here is one DeepSpeed 0.19.8 makes too, or a config it would fail on at run time, or one of
+    zeroshard's own keys; a key DeepSpeed accepts and ignores at this stage is reset with a warning by
+    :func:`zeroshard.config.stage_scope.drop_out_of_scope` instead.
+    """
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one", key=None)
     if cfg.bf16.enabled and not cfg.bf16.check_grad_overflow and cfg.non_finite_gradients == "raise":
@@ -108,28 +114,11 @@ def _check_consistency(cfg: ZeroshardConfig) -> None:
             f"not stage {zero.stage} (as in DeepSpeed)",
             key="zero_optimization.offload_optimizer.ratio",
         )
-    if zero.offload_optimizer.ratio < 1.0 and zero.offload_optimizer.device == "nvme":
-        raise ConfigError(
-            f"partial optimizer offload (ratio {zero.offload_optimizer.ratio}) splits the optimizer state between "
-            'the device and host memory: it needs offload_optimizer.device "cpu", not "nvme" (DeepSpeed 0.19.8 '
-            "then swaps sub-groups by size, whatever the ratio)",
-            key="zero_optimization.offload_optimizer.ratio",
-        )
     if zero.offload_optimizer.device != "none" and zero.stage == 0:
+        # DeepSpeed 0.19.8 accepts this config and builds its CPU Adam over the device's parameters, which
+        # fails at the first step on a GPU: an error now is kinder than one at step 1.
         raise ConfigError("optimizer offload needs ZeRO stage 1, 2 or 3 (stage 0 keeps the whole optimizer "
                           "state on every rank)", key="zero_optimization.offload_optimizer.device")
-    if zero.offload_param.device != "none" and zero.stage != 3:
-        raise ConfigError(
-            f"parameter offload requires ZeRO stage 3, not stage {zero.stage}",
-            key="zero_optimization.offload_param.device",
-        )
-    if zero.zero_quantized_weights and zero.stage != 3:
-        raise ConfigError(f"zero_quantized_weights (ZeRO++ qwZ) quantizes ZeRO-3's parameter all-gathers: it needs "
-                          f"stage 3, not stage {zero.stage}", key="zero_optimization.zero_quantized_weights")
-    if zero.zero_hpz_partition_size > 1 and zero.stage != 3:
-        raise ConfigError(f"zero_hpz_partition_size {zero.zero_hpz_partition_size} (ZeRO++ hpZ) keeps secondary "
-                          f"shards of ZeRO-3's gathered parameters: it needs stage 3, not stage {zero.stage}",
-                          key="zero_optimization.zero_hpz_partition_size")
     if zero.hybrid_shard_size and zero.stage == 0:
         raise ConfigError(f"hybrid_shard_size {zero.hybrid_shard_size} shards the training state inside groups of "
                           "ranks: it needs ZeRO stage 1, 2 or 3 (stage 0 replicates everything)",
@@ -137,9 +126,6 @@ def _check_consistency(cfg: ZeroshardConfig) -> None:
     if zero.hybrid_shard_size and zero.zero_hpz_partition_size > 1:
         raise ConfigError("hybrid_shard_size and zero_hpz_partition_size together are not supported yet: "
                           "choose one", key="zero_optimization.hybrid_shard_size")
-    if zero.zero_quantized_gradients and zero.stage < 2:
-        raise ConfigError(f"zero_quantized_gradients (ZeRO++ qgZ) quantizes the gradient reduce-scatter of "
-                          f"stages 2-3, not stage {zero.stage}", key="zero_optimization.zero_quantized_gradients")
     for name, block in (("offload_optimizer", zero.offload_optimizer), ("offload_param", zero.offload_param)):
         if block.device == "nvme" and block.nvme_path is None:
             raise ConfigError(
@@ -210,6 +196,7 @@ def load_config(
         micro,
         gas,
     )
+    drop_out_of_scope(cfg)
     _check_consistency(cfg)
     check_auto_values_agree(to_dict(cfg), autos, auto_keys)
     if check_support:
