@@ -8,9 +8,10 @@ DeepSpeed, for comparison.
     zeroshard launch --nproc_per_node 2 examples/train_gpt.py --config examples/configs/stage2.json
     torchrun --nproc_per_node 2 examples/train_gpt.py --peer deepspeed --config examples/configs/stage1.json
 
-Rank 0 shows a progress bar (tqdm, on stderr) with the loss and tokens/s, prints, every
-``--log_interval`` steps, the loss (averaged over the gradient accumulation window and over all
-ranks) and the global throughput, then a summary. The script exits with status 1
+Rank 0 shows progress once: on a terminal, a progress bar (tqdm, on stderr) whose tail carries the
+loss (averaged over the gradient accumulation window and over all ranks) and the global throughput,
+updated every ``--log_interval`` steps; elsewhere (a log file, CI), or with ``--no_progress``, a line
+with the same figures every ``--log_interval`` steps. Then a summary. The script exits with status 1
 when the last loss is not below the first, so it doubles as a smoke test.
 """
 
@@ -46,7 +47,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tie_weights", action="store_true", help="share the token embedding with the LM head")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--log_interval", type=int, default=10, help="print every N steps")
-    p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    p.add_argument("--no_progress", action="store_true", help="lines, not a progress bar, on a terminal too")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1,
                    help="ignored: set by some launchers; the rank is read from the environment")
     args = p.parse_args()
@@ -113,8 +114,11 @@ def main() -> int:
               f"grad_accum={accumulation} tokens/step={tokens_per_step} config={args.config}", flush=True)
 
     first_loss = last_loss = float("nan")
+    # one form of progress: a bar where someone watches it, lines where it is logged (a bar's carriage
+    # returns make a log file unreadable, and a line printed through a bar repeats what the bar says)
+    show_bar = rank == 0 and not args.no_progress and sys.stderr.isatty()
     bar = tqdm(total=args.steps, desc="training", unit="step", file=sys.stderr, dynamic_ncols=True,
-               disable=rank != 0 or args.no_progress)
+               disable=not show_bar)
     start = time.perf_counter()
     last_log_step, last_log_time = 1, start
     after_first = start
@@ -141,8 +145,10 @@ def main() -> int:
                     rate = tokens_per_step * (step - last_log_step) / (now - last_log_time)
                     line += f" | {rate:,.0f} tokens/s"
                     postfix["tokens/s"] = f"{rate:,.0f}"
-                bar.set_postfix(postfix)
-                bar.write(line, file=sys.stdout)  # above the bar, which stays at the bottom
+                if show_bar:
+                    bar.set_postfix(postfix)
+                else:
+                    print(f"{line} | {step}/{args.steps}", flush=True)
             last_log_step, last_log_time = step, now
             if step == 1:
                 after_first = now

@@ -247,11 +247,19 @@ def test_worker_environment_as_deepspeeds_launcher(script: str, capsys: pytest.C
 def test_deepspeeds_log_level_and_quiet(script: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import logging
 
+    monkeypatch.delenv("LOGLEVEL", raising=False)
     for argv, level in ((["--log_level", "warning"], logging.WARNING), (["-q"], logging.ERROR),
-                        (["--quiet"], logging.ERROR), ([], logging.INFO)):
+                        (["--quiet"], logging.ERROR), (["--log_level", "info"], logging.INFO)):
         assert launch.main(["--dry-run", *argv, script]) == 0
         assert logging.getLogger("torch.distributed").level == level, argv
         assert logging.getLogger("zeroshard").level == level, argv
+    # unset: the launcher's own messages from info up, torchrun's internals from warning up (or LOGLEVEL's)
+    for loglevel, torchrun_level in ((None, logging.WARNING), ("INFO", logging.INFO), ("nonsense", logging.WARNING)):
+        if loglevel is not None:
+            monkeypatch.setenv("LOGLEVEL", loglevel)
+        assert launch.main(["--dry-run", script]) == 0
+        assert logging.getLogger("torch.distributed").level == torchrun_level, loglevel
+        assert logging.getLogger("zeroshard").level == logging.INFO
     logging.getLogger("torch.distributed").setLevel(logging.NOTSET)
     logging.getLogger("zeroshard").setLevel(logging.NOTSET)
 

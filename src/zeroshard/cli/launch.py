@@ -170,7 +170,7 @@ def _translate(parser: argparse.ArgumentParser, args: argparse.Namespace, passed
 
     out: list[str] = []
     if args.nproc_per_node is None:
-        args.nproc_per_node = _one_per_accelerator(say=args.log_level in ("debug", "info"))
+        args.nproc_per_node = _one_per_accelerator(say=args.log_level in (None, "debug", "info"))
     if args.nproc_per_node is not None:
         out += ["--nproc_per_node", args.nproc_per_node]
     if args.nnodes is not None:
@@ -281,7 +281,7 @@ def _multi_host(parser: argparse.ArgumentParser, args: argparse.Namespace, hosts
     launch_args = torchrun_option_args(passed) + (["--no_local_rank"] if args.no_local_rank else [])
     launch_args += ["--as-deepspeed"] if args.as_deepspeed else []
     launch_args += ["--shadow-deepspeed"] if args.shadow_deepspeed else []
-    launch_args += ["--log_level", args.log_level] if args.log_level != "info" else []
+    launch_args += ["--log_level", args.log_level] if args.log_level is not None else []
     jobs = multinode.host_jobs(hosts, launch_args, [args.script, *args.script_args], master, tag, remote)
     if args.dry_run:
         print(multinode.describe(jobs, remote), flush=True)
@@ -341,11 +341,19 @@ def main(argv: Sequence[str], prog: str = "zeroshard launch") -> int:
     return code
 
 
-def _set_log_level(name: str) -> None:
-    """``--log_level``: this command's messages and torchrun's (its logger is ``torch.distributed``)."""
-    level = getattr(logging, name.upper())
-    for logger_name in ("zeroshard", "torch.distributed"):
-        logging.getLogger(logger_name).setLevel(level)
+def _set_log_level(name: str | None) -> None:
+    """``--log_level``: this command's messages and torchrun's (its logger is ``torch.distributed``).
+
+    Unset, this command's own messages are shown from ``info`` up, as DeepSpeed's launcher's, and
+    torchrun's internals (rendezvous rounds, signal handlers, log directories: a dozen lines before the
+    first of the job's) from ``warning`` up, or at the level its own ``LOGLEVEL`` variable names."""
+    ours = getattr(logging, (name or "info").upper())
+    torchrun_level = name or os.environ.get("LOGLEVEL", "warning")
+    theirs = getattr(logging, torchrun_level.upper(), None)
+    if not isinstance(theirs, int):
+        theirs = logging.WARNING  # LOGLEVEL holds something torchrun would refuse too: keep the default
+    logging.getLogger("zeroshard").setLevel(ours)
+    logging.getLogger("torch.distributed").setLevel(theirs)
 
 
 def _exit_code(code: int) -> int:

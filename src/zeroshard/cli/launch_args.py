@@ -179,8 +179,9 @@ def _add_deepspeed(parser: argparse.ArgumentParser) -> None:
                     "transformers or accelerate) is zeroshard; refused when the real DeepSpeed is installed")
     ds.add_argument("--shadow-deepspeed", "--shadow_deepspeed", dest="shadow_deepspeed", action="store_true",
                     help="--as-deepspeed, hiding the real DeepSpeed installed in the same environment")
-    ds.add_argument("--log_level", "--log-level", choices=LOG_LEVELS, default="info",
-                    help="messages of the launcher and torchrun shown (default info); not the workers' own")
+    ds.add_argument("--log_level", "--log-level", choices=LOG_LEVELS, default=None,
+                    help="messages shown of the launcher (default info) and of torchrun's internals (default "
+                    "warning, or the LOGLEVEL variable, torchrun's own switch); not the workers' own")
     ds.add_argument("-q", "--quiet", dest="log_level", action="store_const", const="error",
                     help="--log_level error")
 
