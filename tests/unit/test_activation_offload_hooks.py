@@ -280,3 +280,14 @@ def test_hugging_face_layers_are_marked() -> None:
         h.sum().backward()
     assert layer_cls.__call__ is original
     assert manager.stats.marked_tensors == manager.stats.offloaded_tensors == manager.stats.restored_tensors == 3
+
+
+def test_offload_input_and_restore_input_by_id() -> None:
+    manager = HiddenStatesOffload(use_streams=False, min_offload_bytes=0, keep_last_count=0,
+                                  offload_cpu_tensors=True)
+    t = torch.randn(5, 3)
+    tensor_id = manager.offload_input(t)
+    assert tensor_id is not None and manager.stats.host_bytes == t.nbytes
+    back = manager.restore_input(tensor_id)
+    assert torch.equal(back, t) and back.data_ptr() != t.data_ptr()
+    assert manager.stats.host_bytes == 0 and manager._cpu_buffer_pool_count == 1

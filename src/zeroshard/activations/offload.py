@@ -326,8 +326,13 @@ class HiddenStatesOffload(saved_tensors_hooks):
         return restored
 
     def restore_input(self, tensor_id: int) -> torch.Tensor:
-        """The tensor taken as ``tensor_id``, on its device (DeepSpeed's engine interface)."""
-        return self._restore_tensor(tensor_id)
+        """The tensor taken as ``tensor_id`` by :meth:`offload_input`, on its device, once: its host
+        buffer returns to the pool (DeepSpeed's engine interface, for callers that keep ids rather
+        than the hooks' references)."""
+        try:
+            return self._restore_tensor(tensor_id)
+        finally:
+            self._release(tensor_id)
 
     # -- buffer lifetimes ---------------------------------------------------------------------------
     def _release(self, tensor_id: int) -> None:
