@@ -17,6 +17,12 @@ rank pauses, and the test faults the cluster 1.5 s into the pause, in the middle
   each tensor's largest magnitude (measured 1e-7). Not bit for bit: 4 ranks and 2 ranks x 2
   micro-batches sum the same gradients in another order.
 
+* Node 1 SIGKILLed while node 0's ranks wait inside zeroshard's point-to-point ring reduce-scatter
+  (``tests/cluster_ring_worker.py``, 64 MiB chunks over the 1gbit link, the default timeout): the
+  receives from node 1 had begun, and gloo does not wake such a wait when the connection closes
+  (issue #48: node 0 waited out the 10-minute timeout). The watchdog ends node 0 within
+  :data:`LOST_BOUND_S`, naming the lost ranks.
+
 Skipped, with the reason, where namespaces cannot be made (not root, no iproute2).
 """
 
@@ -37,6 +43,8 @@ from safetensors.torch import load_file
 from teardown import died_in_teardown, done_markers
 
 SCRIPT = Path(__file__).resolve().parents[1] / "cluster_fault_train.py"
+RING_SCRIPT = Path(__file__).resolve().parents[1] / "cluster_ring_worker.py"
+LOST_BOUND_S = 10.0  # from a node's death to the other's ranks failing, naming it (the watchdog's bound)
 PREFIX = "zsfault"
 TIMEOUT_S = 20.0  # collective_timeout
 MARGIN_S = 30.0   # what ending a job may take past it (the error's heartbeat reads, torchrun's teardown)
@@ -149,8 +157,8 @@ def test_killing_a_node_ends_the_other_naming_the_lost_ranks(killed: Faulted) ->
         assert "lost peers: ranks 2, 3 (all of node 1)" in message, f.describe()
         assert "rank 2: stopped or dead" in message and "rank 3: stopped or dead" in message, f.describe()
         assert f"rank {1 - r}: alive" in message, f.describe()
-        # The killed ranks' sockets closed: no waiting for the timeout.
-        assert f.error_s[r] < TIMEOUT_S, f.describe()
+        # The killed ranks' sockets closed, or their probe ports refuse: no waiting for the timeout.
+        assert f.error_s[r] < LOST_BOUND_S, f.describe()
     assert "lost peers: ranks 2, 3 (all of node 1)" in f.run.nodes[0].stderr  # what torchrun's log shows
 
 
@@ -215,3 +223,31 @@ def test_the_last_checkpoint_resumes_on_one_node(killed: Faulted, cluster: Emula
     same = all(torch.equal(got[n], want[n]) for n in want)
     print(f"\nresumed on one node (2 ranks) from step 6 to {STEPS}: largest difference from the uninterrupted "
           f"2-node run {worst:.1e} of a tensor's largest magnitude (bit-identical: {same})")
+
+
+def test_a_node_killed_during_a_ring_transfer_ends_the_other(cluster: EmulatedCluster, tmp_path: Path) -> None:
+    job = start_torchrun(cluster, RING_SCRIPT, [str(tmp_path)])
+    deadline = job.started + START_S
+    while len(list(tmp_path.glob("ring.rank*"))) < 4:
+        if time.monotonic() > deadline or any(p.poll() is not None for p in job.procs):
+            pytest.fail("the rings did not start:\n" + job.wait(0).describe())
+        time.sleep(0.01)
+    time.sleep(0.3)  # inside the first hop across the link (about 0.5 s at 1gbit)
+    at, wall = time.monotonic(), time.time()
+    cluster.kill_node(1)
+    while job.procs[0].poll() is None and time.monotonic() < at + LOST_BOUND_S + 30:
+        time.sleep(0.05)
+    node0_s = time.monotonic() - at
+    run = job.wait(timeout=0)  # kills node 0 if it still runs (the old code: until the 30-minute timeout)
+    errors = {r: json.loads(f.read_text()) for r in range(4) if (f := tmp_path / f"error.rank{r}.json").exists()}
+    log = f"node 0 ended {node0_s:.1f} s after the kill; errors: {errors}\n{run.describe()[-6000:]}"
+    print(f"\nnode 1 killed during ring transfers: node 0's torchrun exited after {node0_s:.1f} s")
+    # the first rank to fail ends node 0's torchrun, which may stop the other before it writes its own
+    assert errors and set(errors) <= {0, 1}, log
+    assert "lost peers: ranks 2, 3 (all of node 1)" in run.nodes[0].stderr, log
+    for r, e in errors.items():
+        assert e["type"] == "DistributedError", log
+        assert e["message"].startswith(f"rank {r}: reduce-scatter of bucket 0 failed"), log
+        assert "lost peers: ranks 2, 3 (all of node 1)" in e["message"], log
+        assert e["time"] - wall <= LOST_BOUND_S, log
+    assert node0_s <= LOST_BOUND_S + 5, log  # torchrun's own teardown after its workers failed

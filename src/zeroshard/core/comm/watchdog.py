@@ -127,6 +127,18 @@ class _ProbePort:
             self.sock = None
 
 
+_port: _ProbePort | None = None
+
+
+def _probe_port() -> _ProbePort:
+    """The process's probe port, opened once: it answers as long as the process lives, whatever
+    process groups come and go (a peer that moved to a new group is not gone)."""
+    global _port
+    if _port is None or _port.sock is None:
+        _port = _ProbePort()
+    return _port
+
+
 def _route_address() -> str:
     """This host's address on the route to the rendezvous store (no packet is sent)."""
     where = _store_address()
@@ -171,7 +183,8 @@ class Heartbeat:
         self.world = dist.get_world_size()
         self.count = 0
         self._stop = threading.Event()
-        self._port = _ProbePort()
+        self.clean = True  # cleared when the process exits by an uncaught exception
+        self._port = _probe_port()
         self._addresses: dict[int, tuple[str, int, str]] = {}
         # neighbour -> (its last heartbeat counter seen, when it was first seen, seen moving yet)
         self._seen: dict[int, tuple[str, float, bool]] = {}
@@ -209,12 +222,11 @@ class Heartbeat:
                 except Exception as e:  # never let the watch take the heartbeat down
                     logger.debug("zeroshard watchdog: %s", e)
             self._stop.wait(WATCH_S)
-        if self._stop.is_set():  # a clean end: peers must not take this rank's silence for a death
+        if self.clean:  # the group destroyed, or a clean exit: peers must not take this silence for a death
             try:
                 self.store.set(_KEY.format(self.rank), f"{self.count}|exited|{STATE.op}")
             except Exception:
                 pass
-        self._port.close()
 
     # -- the watch -------------------------------------------------------------------------------
 
@@ -269,9 +281,6 @@ class Heartbeat:
         for r in range(self.world):
             if r != self.rank:
                 states[r] = _probe(self._addresses[r]) if self._address_or_none(r) else None
-        lost = [r for r, alive in states.items() if alive is False]
-        if not lost:
-            return
         beats: dict[int, list[str]] = {}
         try:
             for r in states:
@@ -279,6 +288,9 @@ class Heartbeat:
                 beats[r] = self.store.get(key).decode().split("|", 2) if self.store.check([key]) else []
         except Exception:
             pass
+        lost = [r for r, alive in states.items() if alive is False and (beats.get(r) or ["", ""])[1] != "exited"]
+        if not lost:
+            return
         lines = [f"lost peers: {_ranks(lost, _node_of())}"]
         for r, alive in states.items():
             b = beats.get(r) or []
@@ -318,6 +330,7 @@ _verdict_by = -1
 _verdict_lock = threading.Lock()
 #: set with the verdict: sliced waits wake on it
 LOST = threading.Event()
+_generation = 0  # counts the process groups watched: a verdict ends only the group it was found in
 
 
 def _set_verdict(lines: list[str], finder: int) -> None:
@@ -330,14 +343,15 @@ def _set_verdict(lines: list[str], finder: int) -> None:
     LOST.set()
     logger.error("%s", lost_error().args[0])
     _abort_accelerator_groups()
-    threading.Thread(target=_end_if_stuck, name="zeroshard-lost", daemon=True).start()
+    threading.Thread(target=_end_if_stuck, args=(_generation,), name="zeroshard-lost", daemon=True).start()
 
 
 def _clear_verdict() -> None:
     """A new process group starts with no verdict."""
-    global _verdict, _verdict_by
+    global _verdict, _verdict_by, _generation
     with _verdict_lock:
         _verdict, _verdict_by = None, -1
+        _generation += 1
     LOST.clear()
 
 
@@ -351,11 +365,11 @@ def _abort_accelerator_groups() -> None:
         logger.debug("zeroshard watchdog: abort failed: %s", e)
 
 
-def _end_if_stuck() -> None:
+def _end_if_stuck(generation: int) -> None:
     """Give the main thread :data:`EXIT_GRACE_S` to raise the verdict out of the engine; if it is
     still inside an engine call then, it is blocked where no slice reaches: print and exit."""
     time.sleep(EXIT_GRACE_S)
-    if STATE.active > 0:
+    if STATE.active > 0 and generation == _generation and _verdict is not None:
         _exit_now(f"{lost_error().args[0]}\n(rank {_me()} was blocked {EXIT_GRACE_S:.0f} s after the verdict, "
                   f"in {STATE.op}: exiting)")
 
@@ -468,12 +482,10 @@ STORE_ANSWER_S = 5.0
 
 def _close_port_in_child() -> None:
     """A forked child (a data loader worker) must not keep its parent's probe port answering."""
-    hb = _heartbeat
-    if hb is not None and hb._port.sock is not None:
-        try:
-            hb._port.sock.close()
-        except OSError:
-            pass
+    global _port
+    if _port is not None:
+        _port.close()
+        _port = None
 
 
 if hasattr(os, "register_at_fork"):
@@ -522,6 +534,8 @@ def _stop_at_exit() -> None:
     if _verdict is not None:  # a peer is gone: the teardown could wait on collectives that never end
         _exit_now(f"exiting after a lost peer (rank {_me()}): {_verdict[0] if _verdict else ''}")
     if _heartbeat is not None:
+        # an uncaught exception (printed, so in sys.last_value) is no clean end: its peers may judge it
+        _heartbeat.clean = getattr(sys, "last_value", None) is None
         _heartbeat.stop(wait_s=0.5 if _store_silent else 10.0)
         _heartbeat.store = None  # type: ignore[assignment]
     _heartbeat = _store = None
