@@ -291,3 +291,29 @@ def test_offload_input_and_restore_input_by_id() -> None:
     back = manager.restore_input(tensor_id)
     assert torch.equal(back, t) and back.data_ptr() != t.data_ptr()
     assert manager.stats.host_bytes == 0 and manager._cpu_buffer_pool_count == 1
+
+
+def test_a_llama_trains_as_without() -> None:
+    """A Hugging Face model with gradient checkpointing needs no change: each decoder layer's input is
+    marked, offloaded and restored, and the gradients are those without offload."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                   use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable({"use_reentrant": False})  # transformers 5.24 renamed gradient_checkpointing_enable
+    model.train()
+    ids = torch.randint(0, 64, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    manager = HiddenStatesOffload(use_streams=False, min_offload_bytes=0, keep_last_count=1,
+                                  offload_cpu_tensors=True)
+    with manager:
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(want, model.parameters()))  # type: ignore[arg-type]
+    s = manager.stats
+    assert s.marked_tensors == 3 and s.offloaded_tensors == s.restored_tensors == 2 and s.kept_last_tensors == 1
+    assert s.offloaded_bytes == 2 * 2 * 16 * 32 * 4 and s.host_bytes == 0
