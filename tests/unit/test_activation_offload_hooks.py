@@ -317,3 +317,16 @@ def test_a_llama_trains_as_without() -> None:
     s = manager.stats
     assert s.marked_tensors == 3 and s.offloaded_tensors == s.restored_tensors == 2 and s.kept_last_tensors == 1
     assert s.offloaded_bytes == 2 * 2 * 16 * 32 * 4 and s.host_bytes == 0
+
+
+def test_reentrant_checkpoint_offloads_too() -> None:
+    """torch's reentrant checkpoint saves its inputs with save_for_backward: the marked one moves."""
+    layers, x = _layers(), torch.randn(8, 16, requires_grad=True)
+    _, want = _baseline(layers, x)
+    manager = HiddenStatesOffload(use_streams=False, min_offload_bytes=0, keep_last_count=0,
+                                  offload_cpu_tensors=True)
+    with manager:
+        loss, _ = _run(layers, x, manager, ckpt=partial(checkpoint, use_reentrant=True))
+        loss.backward()
+    assert manager.stats.offloaded_tensors == manager.stats.restored_tensors == 4
+    assert all(torch.equal(a, b) for a, b in zip(_grads(layers, x), want))

@@ -4,7 +4,7 @@ DeepSpeed's ``CheckpointHiddenStatesOffload`` (``deepspeed.runtime.activation_ch
 offload_activations``), written for zeroshard: a :class:`torch.autograd.graph.saved_tensors_hooks`
 context manager. Inside it, every tensor autograd saves passes through :meth:`~HiddenStatesOffload.
 _pack_tensor`; the ones the caller *marked* (:meth:`~HiddenStatesOffload.mark`, the hidden states a
-non-reentrant ``torch.utils.checkpoint`` region keeps as its input) are copied to a host buffer and
+``torch.utils.checkpoint`` region keeps as its input, reentrant or not) are copied to a host buffer and
 the graph keeps a small reference instead of the tensor. Backward's unpack copies the buffer back
 to a fresh tensor on the original device, with the original shape and strides. Everything else
 autograd saves passes through untouched.
@@ -14,9 +14,10 @@ Where a tensor is:
 - **on CUDA**: it is copied to host memory (page-locked with ``use_pin_memory``), on a side stream
   that waits for the compute stream (``use_streams``; otherwise on the compute stream), so the copy
   overlaps the next layers' compute. The newest ``keep_last_count`` marked tensors stay on the
-  device (the first backward needs them before a copy would finish); the copies of the newest
-  ``max_fwd_stash_count`` offloaded ones keep their device tensor alive until the copy ends
-  (``record_stream``), and a restore that finds it still there uses it without a copy back.
+  device (the first backward needs them before a copy would finish); a device tensor's memory
+  goes back to torch's allocator once its copy has run (``record_stream``), except for the newest
+  ``max_fwd_stash_count`` offloaded ones, kept until newer ones replace them or backward uses them
+  (without a copy back).
   Copies back run on the side stream too, and the compute stream waits for them.
 - **in host memory already** (a CPU run): nothing to move. It is counted
   (``stats.skipped_marked_tensors``) and kept as is, as DeepSpeed does: offload on a CPU run is the
@@ -139,7 +140,8 @@ class HiddenStatesOffload(saved_tensors_hooks):
         use_pin_memory: page-lock the host buffers (through :meth:`_pin`), so copies can overlap.
         use_streams: copy on a side stream (CUDA only; a CPU run has no streams).
         min_offload_bytes: marked tensors smaller than this stay where they are.
-        max_fwd_stash_count: offloaded device tensors kept alive until their copy ends, newest first.
+        max_fwd_stash_count: the newest offloaded device tensors kept on the device until newer ones
+            replace them or backward uses them (CUDA streams only).
         max_cpu_buffer_pool_count: host buffers kept for reuse once freed.
         keep_last_count: the newest marked tensors that stay on the device.
         offload_cpu_tensors: zeroshard's option: copy marked host tensors to host buffers too
