@@ -54,7 +54,22 @@ class Result:
     named: bool
     line: str  # node 0's line naming the lost peers
     node0_code: int | None
+    how: str = ""  # how node 0's first error came (how_it_ended)
     note: str = ""
+
+
+def how_it_ended(text: str) -> str:
+    """From node 0's output: ``verdict`` (a wait raised the watchdog's verdict), ``gloo error``
+    (gloo raised first; the verdict named the peers), ``exited by the watchdog`` (a rank blocked
+    where no slice reaches), or ``heartbeats`` (named by the heartbeats alone, without a verdict)."""
+    if "was blocked" in text and "after the verdict" in text:
+        return "exited by the watchdog"
+    first = next((ln for ln in text.splitlines() if "failed in" in ln and ln.lstrip().startswith(("rank", "["))), "")
+    if "a peer's process is gone (found by" in first:
+        return "verdict"
+    if "stopped or dead: its process is gone" in text:
+        return "gloo error"
+    return "heartbeats"
 
 
 def plan(n: int, seed: int, jitter: float) -> list[Trial]:
@@ -100,17 +115,18 @@ def run_trial(cluster: EmulatedCluster, t: Trial, workdir: Path, layers: int, hi
     want = expected(t.nproc)
     line = next((ln.strip() for ln in text.splitlines() if "lost peers:" in ln), "")
     note = "" if want in text else "node 0's output:\n" + text[-3000:]
-    return Result(t, seconds, want in text, line, run.nodes[0].returncode, note)
+    return Result(t, seconds, want in text, line, run.nodes[0].returncode, how_it_ended(text), note)
 
 
 def markdown(results: list[Result], bound: float, args: argparse.Namespace) -> str:
-    rows = ["| # | stage | ranks per node | moment of the kill (step) | node 0 ended after (s) | lost ranks named |",
-            "| --- | --- | --- | --- | --- | --- |"]
+    rows = ["| # | stage | ranks per node | moment of the kill (step) | node 0 ended after (s) | lost ranks named "
+            "| node 0's first error |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
     for i, r in enumerate(results):
         t = r.trial
         when = f"{t.moment} ({t.step})" + (f" + {t.jitter:.2f} s" if t.jitter else "")
         took = f"{r.seconds:.1f}" if r.seconds is not None else f"> {LIMIT_S:.0f} (still running)"
-        rows.append(f"| {i} | {t.stage} | {t.nproc} | {when} | {took} | {'yes' if r.named else 'NO'} |")
+        rows.append(f"| {i} | {t.stage} | {t.nproc} | {when} | {took} | {'yes' if r.named else 'NO'} | {r.how} |")
     done = [r.seconds for r in results if r.seconds is not None]
     slowest = max(done) if done else float("nan")
     ok = sum(1 for r in results if r.seconds is not None and r.seconds <= bound and r.named)
@@ -144,7 +160,7 @@ def main() -> int:
             took = f"{r.seconds:5.1f} s" if r.seconds is not None else "still running"
             verdict = "ok" if r.seconds is not None and r.seconds <= args.bound and r.named else "FAIL"
             print(f"trial {i:2d}: stage {t.stage}, {t.nproc} rank(s) per node, killed at {t.moment} of step "
-                  f"{t.step} + {t.jitter:.2f} s: node 0 ended after {took}, exit {r.node0_code}: {verdict}\n"
+                  f"{t.step} + {t.jitter:.2f} s: node 0 ended after {took}, exit {r.node0_code} ({r.how}): {verdict}\n"
                   f"    {r.line}", flush=True)
             if r.note:
                 print("    " + r.note.replace("\n", "\n    "), flush=True)

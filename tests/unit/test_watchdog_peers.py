@@ -15,13 +15,17 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 from zeroshard.core.comm import watchdog
+from zeroshard.errors import DistributedError
 
 
 @pytest.fixture
@@ -153,3 +157,45 @@ def test_the_probe_tells_a_gone_process_from_silence(monkeypatch: pytest.MonkeyP
 
         monkeypatch.setattr(socket, "create_connection", fail)
         assert watchdog._probe(("10.77.1.2", port, "elsewhere")) is None  # no answer is no verdict
+
+
+@pytest.fixture
+def watched(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A watchdog that runs (as far as the waits can tell), and no verdict left behind."""
+    monkeypatch.setattr(watchdog, "watching", lambda: True)
+    monkeypatch.setattr(watchdog, "_me", lambda: 0)
+    watchdog._clear_verdict()
+    yield
+    watchdog._clear_verdict()
+
+
+def test_a_blocked_wait_raises_the_verdict_within_a_slice(watched: None) -> None:
+    class Stuck:  # a gloo wait that nothing wakes (issue #48)
+        def wait(self, timeout: object = None) -> bool:
+            threading.Event().wait(60)
+            return True
+
+    threading.Timer(0.3, watchdog._set_verdict, (["lost peers: rank 1 (all of node 1)"], 0)).start()
+    started = time.monotonic()
+    with pytest.raises(DistributedError, match=r"a peer's process is gone \(found by this rank's watchdog") as e:
+        watchdog.wait_work(Stuck())
+    assert time.monotonic() - started < 0.3 + 2 * watchdog.WAIT_SLICE_S + 0.5
+    assert "  lost peers: rank 1 (all of node 1)" in str(e.value).splitlines()
+    with pytest.raises(DistributedError):  # every later wait raises at once
+        watchdog.wait_work(Stuck())
+
+
+def test_a_store_wait_raises_the_verdict_and_otherwise_times_out(watched: None) -> None:
+    store = dist.HashStore()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as timed_out:  # no verdict: the store's own error at the timeout
+        watchdog.store_wait(store, ["never"], timedelta(seconds=1.2))
+    assert not isinstance(timed_out.value, DistributedError)
+    assert 1.1 < time.monotonic() - started < 3.0
+    store.set("there", "1")
+    watchdog.store_wait(store, ["there"], timedelta(seconds=5))  # a key that is there: at once
+    threading.Timer(0.3, watchdog._set_verdict, (["lost peers: rank 1"], 1)).start()
+    started = time.monotonic()
+    with pytest.raises(DistributedError, match="found by rank 1's watchdog"):
+        watchdog.store_wait(store, ["never"], timedelta(seconds=60))
+    assert time.monotonic() - started < 0.3 + watchdog.STORE_SLICE_S + 0.5

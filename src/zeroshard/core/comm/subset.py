@@ -27,6 +27,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from zeroshard.core.comm import watchdog
 from zeroshard.errors import DistributedError
 
 logger = logging.getLogger("zeroshard")
@@ -129,14 +130,18 @@ def arrive(group: dist.ProcessGroup | None, operation: str, step: int | None = N
     start = time.monotonic()
     try:
         first = min(WARN_AFTER_S, timeout)
-        try:
-            store.wait(keys, timedelta(seconds=first))
+        try:  # in slices that raise the watchdog's verdict when a missing rank's process is gone
+            watchdog.store_wait(store, keys, timedelta(seconds=first))
+        except DistributedError:
+            raise
         except RuntimeError:  # DistStoreError: the wait timed out
             if timeout <= first:
                 raise
             logger.warning("rank %d: %s is waiting for rank(s) %s, which have not reached it after %.0f s",
                            me, operation, _missing(store, seq, ranks), time.monotonic() - start)
-            store.wait(keys, timedelta(seconds=timeout - first))
+            watchdog.store_wait(store, keys, timedelta(seconds=timeout - first))
+    except DistributedError:
+        raise
     except RuntimeError:
         missing = _missing(store, seq, ranks)
         _delete(store, _key(seq, me))  # withdraw, so that a later gather starts from the same count

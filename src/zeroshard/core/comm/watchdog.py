@@ -541,6 +541,28 @@ def _stop_at_exit() -> None:
     _heartbeat = _store = None
 
 
+#: a store wait checks the verdict this often (each slice is one more request to the store)
+STORE_SLICE_S = 0.5
+
+
+def store_wait(store: dist.Store, keys: list[str], timeout: timedelta) -> None:
+    """``store.wait(keys, timeout)`` in slices that raise the watchdog's verdict: a key that a rank
+    whose process is gone would have set never comes. Raises the store's own error at ``timeout``."""
+    if not watching():
+        store.wait(keys, timeout)
+        return
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        raise_if_lost()
+        left = deadline - time.monotonic()
+        try:
+            store.wait(keys, timedelta(seconds=max(0.001, min(STORE_SLICE_S, left))))
+            return
+        except RuntimeError:  # DistStoreError: this slice timed out
+            if time.monotonic() >= deadline:
+                raise
+
+
 def set_timeout(timeout: timedelta, group: dist.ProcessGroup | None = None) -> None:
     """Use ``timeout`` for every later collective of ``group`` (the default group: all)."""
     dist.distributed_c10d._set_pg_timeout(timeout, group)
