@@ -105,7 +105,10 @@ class OffloadedTensorRef:
     def __del__(self) -> None:
         owner = self._owner()
         if owner is not None:
-            owner._release(self.tensor_id)
+            try:
+                owner._release(self.tensor_id)
+            except Exception:  # noqa: BLE001, S110 - at interpreter exit the module may be half torn down
+                pass
 
 
 _BufferKey = tuple[tuple[int, ...], torch.dtype, torch.layout, bool]
