@@ -7,7 +7,10 @@ else the packages that held it before: ``stages partition offload comm precision
 compare the ZeRO stage to a number, attributes of other objects assigned in the core (torch's
 ``.data``/``.grad``/``.requires_grad`` excluded: that is how torch is used, not wiring), ``Any`` in
 the core's signatures, and import cycles (strongly connected components of the module graph,
-function-level imports included, and of the graph between packages).
+function-level imports included, and of the graph between packages); then #49's measures of how the
+parts connect (core modules imported from outside it, stage-class checks, ``Any`` at the seam's edges,
+the coordinator's boolean flags, environment reads in the core, DeepSpeed classes in the engine's and
+the stages' MROs).
 """
 
 from __future__ import annotations
@@ -198,6 +201,71 @@ def main(root: Path) -> None:
         print("    " + " <-> ".join(m.removeprefix("zeroshard.") for m in c))
     if readme.exists():
         print(f"README lines: {len(readme.read_text().splitlines())}")
+    connection_metrics(pkg, files, trees, core, graph)
+
+
+ZEROSHARD_ENV = re.compile(r"""(environ\b|getenv\()[^\n]*(["']ZEROSHARD_|\b[A-Z_]+_ENV\b)""")
+STAGE_CLASS_CHECK = re.compile(r"isinstance\([^)]*\b(Stage3Optimizer|ZeroOptimizer)\b|\bcoordinator is (not )?None\b")
+
+
+def bool_attributes_of(tree: ast.AST, cls: str) -> list[str]:
+    """The attributes a class's methods set to ``True``/``False`` on ``self``: its boolean phase flags."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for sub in ast.walk(node):
+                if isinstance(sub, (ast.Assign, ast.AnnAssign)) and isinstance(sub.value, ast.Constant) \
+                        and isinstance(sub.value.value, bool):
+                    for t in (sub.targets if isinstance(sub, ast.Assign) else [sub.target]):
+                        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                            names.add(t.attr)
+    return sorted(names)
+
+
+def deepspeed_in_mros() -> dict[str, list[str]]:
+    """For the engine class ``initialize`` returns and each stage class it can build: the classes of
+    ``zeroshard.deepspeed`` in its MRO (imports zeroshard; the measure of #49's "DeepSpeed by composition")."""
+    out: dict[str, list[str]] = {}
+    try:
+        import importlib
+
+        import zeroshard.core.zero_optimizer as zo
+        engine = importlib.import_module("zeroshard.deepspeed.engine").ZeroEngine
+        optimizer_mod = importlib.import_module("zeroshard.deepspeed.optimizer")
+    except Exception as exc:  # an old tree: nothing to import by these names
+        return {"(not measured)": [repr(exc)]}
+    classes = [engine, zo.ZeroOptimizer]
+    classes += [c for c in vars(optimizer_mod).values()
+                if isinstance(c, type) and issubclass(c, zo.ZeroOptimizer) and c not in classes]
+    for c in classes:
+        out[f"{c.__module__}.{c.__qualname__}"] = [
+            b.__qualname__ for b in c.__mro__ if b.__module__.startswith("zeroshard.deepspeed")]
+    return out
+
+
+def connection_metrics(pkg: Path, files: list[Path], trees: dict[Path, ast.AST], core: list[Path],
+                       graph: dict[str, set[str]]) -> None:
+    """#49's measures of how the parts connect."""
+    core_modules = {_module_name(pkg, f) for f in core}
+    imported_from_outside = {t for m, ts in graph.items() if m not in core_modules for t in ts if t in core_modules}
+    print(f"core modules imported from outside the core: {len(imported_from_outside)} of {len(core_modules)}")
+    checks = [(f, i + 1) for f in files for i, line in enumerate(f.read_text().splitlines())
+              if STAGE_CLASS_CHECK.search(line.split("#")[0])]
+    print(f"isinstance of a stage class / `coordinator is None`: {len(checks)} in {len({f for f, _ in checks})} files")
+    edges = [pkg / "checkpoint", pkg / "engine.py", pkg / "core" / "seam.py"]
+    edge_files = [f for f in files if any(f == e or e in f.parents for e in edges)]
+    print(f"Any in the signatures of checkpoint/, engine.py and core/seam.py: "
+          f"{sum(any_in_signatures(trees[f]) for f in edge_files)}")
+    coordinator = pkg / "core" / "zero3" / "coordinator.py"
+    if coordinator.exists():
+        flags = bool_attributes_of(trees[coordinator], "ParamCoordinator")
+        print(f"boolean attributes of ParamCoordinator: {len(flags)} ({', '.join(flags)})")
+    env_reads = [(f, i + 1) for f in core for i, line in enumerate(f.read_text().splitlines())
+                 if ZEROSHARD_ENV.search(line)]
+    print(f"ZEROSHARD_* environment reads inside the core: {len(env_reads)} "
+          f"({', '.join(f'{f.relative_to(pkg)}:{n}' for f, n in env_reads)})")
+    for cls, bases in deepspeed_in_mros().items():
+        print(f"DeepSpeed classes in the MRO of {cls}: {len(bases)} {bases}")
 
 
 if __name__ == "__main__":
