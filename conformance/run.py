@@ -131,9 +131,19 @@ def _run_side(side: str, work: Path, files: list[str], out: Path, extra: list[st
     return {t: o for f in files for t, o in results.get(f, {}).items()}
 
 
+#: the kinds of difference ``expected_differences.toml`` may give: every test that passes on DeepSpeed and
+#: not on zeroshard is settled, none is left open or for later
+KINDS = ("internal", "format", "deliberate")
+
+
 def load_expected(path: Path) -> list[tuple[str, str]]:
-    """``expected_differences.toml`` -> [(test id glob, reason)]."""
+    """``expected_differences.toml`` -> [(test id glob, reason)]; an entry without a reason or of a kind
+    other than :data:`KINDS` is an error."""
     data = tomllib.loads(path.read_text())
+    for entry in data.get("difference", []):
+        if entry.get("kind") not in KINDS or not entry.get("reason"):
+            raise SystemExit(f"{path}: the entry for {entry.get('tests')} needs a reason and a kind in {KINDS}, "
+                             f"not {entry.get('kind')!r}")
     return [(pattern, entry["reason"]) for entry in data.get("difference", [])
             for pattern in entry["tests"]]
 

@@ -14,6 +14,7 @@ import functools
 import itertools
 import logging
 import os
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
 from typing import Any
@@ -258,6 +259,50 @@ def tag_deepspeed(p: torch.nn.Parameter, shape: torch.Size, world: int) -> None:
     p.ds_numel = int(torch.Size(shape).numel())  # type: ignore[attr-defined]
     # a partial of int, not a lambda: it is called like DeepSpeed's method and still pickles with the parameter
     p.partition_numel = functools.partial(int, ShardLayout(p.ds_numel, world).shard_numel)  # type: ignore[attr-defined]
+    if not isinstance(getattr(p, "ds_summary", None), DsSummary):
+        p.ds_summary = DsSummary(p)  # type: ignore[attr-defined]
+
+
+class DsSummary:
+    """DeepSpeed's ``param.ds_summary(use_debug_name=False)``: a dict describing a ZeRO-3 parameter (its id,
+    ``ds_status`` name, numel and shape as they are now and in full, ``requires_grad``, the gradient's
+    shape, ``ds_persist``, ``ds_active_sub_modules``, the shape of this rank's partition ``ds_tensor``),
+    with DeepSpeed's keys; scripts and DeepSpeed's own tests print it in their error messages.
+
+    It holds its parameter weakly (no reference cycle through the parameter's ``__dict__``) and pickles
+    as an unbound summary: a parameter rebuilt by ``pickle``/``torch.load`` is no longer the one it
+    described.
+    """
+
+    __slots__ = ("_param",)
+
+    def __init__(self, p: torch.nn.Parameter | None) -> None:
+        self._param = None if p is None else weakref.ref(p)
+
+    def __reduce__(self) -> tuple[type[DsSummary], tuple[None]]:
+        return (DsSummary, (None,))
+
+    def __call__(self, use_debug_name: bool = False) -> dict[str, Any]:
+        p = None if self._param is None else self._param()
+        if p is None:
+            raise RuntimeError("ds_summary() of a parameter that was pickled or copied: its summary describes the "
+                               "original parameter, which this one no longer is")
+        attrs = vars(p)  # the ds_* attributes tag_deepspeed wrote
+        status = attrs.get("ds_status")
+        shard = attrs.get("ds_tensor")
+        return {
+            "id": f"name={getattr(p, 'ds_name', None)} id={attrs['ds_id']}" if use_debug_name else attrs["ds_id"],
+            "status": getattr(status, "name", None),
+            "numel": p.numel(),
+            "ds_numel": attrs["ds_numel"],
+            "shape": tuple(p.shape),
+            "ds_shape": tuple(attrs["ds_shape"]),
+            "requires_grad": p.requires_grad,
+            "grad_shape": tuple(p.grad.shape) if p.grad is not None else None,
+            "persist": getattr(p, "ds_persist", False),
+            "active_sub_modules": getattr(p, "ds_active_sub_modules", set()),
+            "ds_tensor.shape": shard.shape if shard is not None else None,
+        }
 
 
 def _gather_chunk(p: torch.nn.Parameter, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -54,7 +54,7 @@ from zeroshard.core.clock import StepClock
 from zeroshard.core.comm import agreement
 from zeroshard.core.comm import collectives as C
 from zeroshard.core.comm.subset import arrive
-from zeroshard.core.zero3 import param_reads
+from zeroshard.core.zero3 import late_modules, param_reads
 from zeroshard.core.zero3.param_unit import ParamUnit, UnitState
 from zeroshard.core.zero3.units import is_leaf, unit_modules
 
@@ -195,6 +195,13 @@ class ParamCoordinator:
             # torch tags the hook object itself, which a bound method does not allow.
             self._handles.append(m.register_state_dict_post_hook(functools.partial(self._post_state_dict)))
         self._watched = param_reads.watch(self.module.modules(), self, {p for u in self.units for p in u.params})
+        late_modules.adopt(self.module, self)  # a trainable module attached later is refused, named
+
+    def adopt_late(self, module: torch.nn.Module) -> None:
+        """A module without trainable parameters of its own attached after set-up: its parameter dicts
+        gather as the model's do (DeepSpeed's ``ZeROOrderedDict`` at the next forward); see
+        :mod:`~zeroshard.core.zero3.late_modules`."""
+        self._watched += param_reads.watch(module.modules(), self, None)
 
     # -- state dicts: full tensors, one module's units at a time --------------------------------
     @contextmanager
@@ -567,3 +574,4 @@ class ParamCoordinator:
         self._handles.clear()
         param_reads.unwatch(self._watched)
         self._watched = []
+        late_modules.forget(self.module, self)

@@ -53,13 +53,14 @@ class GatheringParams(dict[str, "torch.nn.Parameter | None"]):
 
 
 def watch(modules: Iterable[torch.nn.Module], watcher: ReadWatcher,
-          params: set[torch.nn.Parameter]) -> list[torch.nn.Module]:
-    """Give every module with a parameter in ``params`` a :class:`GatheringParams`; returns them."""
+          params: set[torch.nn.Parameter] | None) -> list[torch.nn.Module]:
+    """Give every module with a parameter in ``params`` (``None``: every module) a :class:`GatheringParams`;
+    returns them."""
     watched = []
     for m in modules:
         own = m.__dict__.get("_parameters")
-        if isinstance(own, dict) and not isinstance(own, GatheringParams) and any(p in params for p in own.values()
-                                                                                   if p is not None):
+        if isinstance(own, dict) and not isinstance(own, GatheringParams) and (
+                params is None or any(p in params for p in own.values() if p is not None)):
             gathering = GatheringParams(own)
             gathering.watcher = watcher
             m._parameters = gathering
