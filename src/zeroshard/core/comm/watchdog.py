@@ -341,7 +341,8 @@ def _set_verdict(lines: list[str], finder: int) -> None:
             return
         _verdict, _verdict_by = lines, finder
     LOST.set()
-    logger.error("%s", lost_error().args[0])
+    logger.error("rank %d: %s (found by %s); waits on collectives now raise it", _me(), lines[0] if lines else "",
+                 "this rank's watchdog" if finder == _me() else f"rank {finder}'s watchdog")
     _abort_accelerator_groups()
     threading.Thread(target=_end_if_stuck, args=(_generation,), name="zeroshard-lost", daemon=True).start()
 
