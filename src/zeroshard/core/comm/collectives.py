@@ -209,12 +209,16 @@ class _Ring:
                 dist.irecv(recv, self.prev, group=self.group, tag=self.tag)]
 
     def _finish(self) -> None:
+        # gloo wakes neither a receive whose message had begun to arrive nor a send partly written
+        # when the peer dies: every hop runs on the watchdog's waiter, whose verdict ends the wait
+        if self.works is not None:
+            watchdog.run_blocking(self._hops)
+
+    def _hops(self) -> None:
         while self.works is not None:
             for w in self.works:
                 if w is not None:
-                    # gloo wakes neither a receive whose message had begun to arrive nor a send partly
-                    # written when the peer dies: the watchdog's verdict ends such a wait
-                    watchdog.wait_work(w, self.timeout)
+                    w.wait(self.timeout)
             self._arrived()
             self.step += 1
             self.works = self._post() if self.step < self.n - 1 else None

@@ -415,28 +415,26 @@ def raise_if_lost() -> None:
 
 
 class _Waiter:
-    """A thread that does the blocking waits of one calling thread, so that the caller waits in
+    """A thread that runs the blocking waits of one calling thread, so that the caller waits in
     slices that check the verdict (a gloo point-to-point wait cannot be cut into slices: one that
     times out closes the connection for good)."""
 
     def __init__(self) -> None:
         self.owner = threading.current_thread()
-        self.jobs: queue.SimpleQueue[tuple[Any, Any, threading.Event, list[BaseException]]] = queue.SimpleQueue()
+        self.jobs: queue.SimpleQueue[tuple[Callable[[], object], threading.Event, list[BaseException]]] = \
+            queue.SimpleQueue()
         threading.Thread(target=self._run, name="zeroshard-wait", daemon=True).start()
 
     def _run(self) -> None:
         while True:
             try:
-                work, timeout, done, error = self.jobs.get(timeout=5.0)
+                job, done, error = self.jobs.get(timeout=5.0)
             except queue.Empty:
                 if not self.owner.is_alive():  # ends with the thread it waits for
                     return
                 continue
             try:
-                if timeout is None:
-                    work.wait()
-                else:
-                    work.wait(timeout)
+                job()
             except BaseException as e:
                 error.append(e)
             done.set()
@@ -450,9 +448,35 @@ def watching() -> bool:
     return _heartbeat is not None and _heartbeat.alive()
 
 
+def _until(done: threading.Event) -> None:
+    while not done.wait(WAIT_SLICE_S):
+        raise_if_lost()
+
+
+def run_blocking(job: Callable[[], object]) -> None:
+    """Run ``job`` (blocking waits on collectives, and what follows each: a ring's next hop) on
+    this thread's waiter while this thread waits in slices of :data:`WAIT_SLICE_S` that raise the
+    watchdog's verdict as soon as there is one; ``job``'s own error is raised here. One hand-over
+    per call: give it every wait that runs back to back. Without a watchdog, ``job()`` here."""
+    if not watching():
+        job()
+        return
+    raise_if_lost()
+    waiter = getattr(_waiters, "waiter", None)
+    if waiter is None:
+        waiter = _waiters.waiter = _Waiter()
+    done, error = threading.Event(), []  # type: tuple[threading.Event, list[BaseException]]
+    waiter.jobs.put((job, done, error))
+    _until(done)
+    if error:
+        raise error[0]
+
+
 def wait_work(work: Any, timeout: Any = None) -> None:
-    """``work.wait(timeout)`` for a host-side (gloo) wait, in slices of :data:`WAIT_SLICE_S` that
-    raise the watchdog's verdict as soon as there is one. Without a watchdog, a plain wait."""
+    """``work.wait(timeout)`` for a host-side (gloo) collective, in slices that raise the watchdog's
+    verdict: a collective's handle completes a future, which wakes this thread directly; a
+    point-to-point one has none, and waits on the waiter (:func:`run_blocking`). Without a
+    watchdog, a plain wait."""
     if not watching():
         if timeout is None:
             work.wait()
@@ -460,15 +484,17 @@ def wait_work(work: Any, timeout: Any = None) -> None:
             work.wait(timeout)
         return
     raise_if_lost()
-    waiter = getattr(_waiters, "waiter", None)
-    if waiter is None:
-        waiter = _waiters.waiter = _Waiter()
-    done, error = threading.Event(), []  # type: tuple[threading.Event, list[BaseException]]
-    waiter.jobs.put((work, timeout, done, error))
-    while not done.wait(WAIT_SLICE_S):
-        raise_if_lost()
-    if error:
-        raise error[0]
+    try:
+        future = work.get_future()
+    except Exception:  # gloo's send and receive handles have no future
+        future = None
+    if future is not None:
+        done = threading.Event()
+        future.add_done_callback(lambda _: done.set())
+        _until(done)
+        work.wait()  # at once: raises the collective's own error, if any
+        return
+    run_blocking(lambda: work.wait() if timeout is None else work.wait(timeout))
 
 
 _heartbeat: Heartbeat | None = None
