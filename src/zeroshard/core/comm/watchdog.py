@@ -437,6 +437,9 @@ class _Waiter:
                 job()
             except BaseException as e:
                 error.append(e)
+            # the job holds the collective's handle and through it its tensors: kept in this frame until
+            # the next job, it would keep buffers alive that the caller has let go (offload_states frees them)
+            del job
             done.set()
 
 
