@@ -51,6 +51,7 @@ from torch.utils.checkpoint import checkpoint
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.studies.activation_memory import profiled_cpu_peak  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 from zeroshard.activations import HiddenStatesOffload, OffloadStats, current_offload  # noqa: E402
 
@@ -115,16 +116,7 @@ def _manager(model: GPT, options: dict[str, Any] | None, dev: torch.device) -> A
 
 
 def _cpu_peak(run: Any) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    live = peak = 0
-    for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns()):
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
+    return profiled_cpu_peak(run)
 
 
 def _cuda_peak(run: Any) -> int:

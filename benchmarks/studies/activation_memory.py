@@ -142,10 +142,16 @@ def _saved(model: Model, x: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _cpu_peak(model: Model, x: torch.Tensor) -> int:
+    return profiled_cpu_peak(lambda: _step(model, x).backward())
+
+
+def profiled_cpu_peak(run: Callable[[], object]) -> int:
+    """The peak of the bytes torch's CPU allocator held while ``run()`` ran (its profiler's memory
+    events, replayed in time order), from what was live before it."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        _step(model, x).backward()
+        run()
     live = peak = 0
     for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
                     key=lambda e: e.start_ns()):
