@@ -6,6 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
+# pip's warning about running as root (CI and containers do) is noise before the demo's first line
+export PIP_ROOT_USER_ACTION="${PIP_ROOT_USER_ACTION:-ignore}"
 python3 -m pip install -q --disable-pip-version-check "torch==2.13.0"
 if [ -n "$extras" ]; then
   python3 -m pip install -q --disable-pip-version-check -e ".[${extras}]"
