@@ -107,6 +107,20 @@ def _watched(work: Any, device: torch.device) -> Any:
     return Watched(work)
 
 
+def _collective(op: str, tensor: torch.Tensor, group: ProcessGroup | None, async_op: bool,
+                start: Callable[[bool], Any]) -> dist.Work | None:
+    """Launch ``start(async_op)`` through :func:`_logged` (``tensor``: the one whose bytes are counted).
+    On the host a blocking collective is started asynchronously and waited here, in the watchdog's
+    slices (:class:`Watched`); an accelerator's keeps its own blocking call."""
+    host = tensor.device.type == "cpu"
+    work: dist.Work | None = _logged(op, _nbytes(tensor), tensor.device,
+                                     lambda: _watched(start(async_op or host), tensor.device), group)
+    if async_op:
+        return work
+    _sync(work)
+    return None
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -171,14 +185,8 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | N
     if world_size(group) == 1:
         out.copy_(inp)
         return None
-    host = inp.device.type == "cpu"
-    work: dist.Work | None = _logged(
-        "reduce_scatter_tensor", _nbytes(inp), inp.device,
-        lambda: _watched(_reduce_scatter_flat(out, inp, group=group, async_op=async_op or host), inp.device), group)
-    if not async_op and work is not None:
-        work.wait()
-        return None
-    return work
+    return _collective("reduce_scatter_tensor", inp, group, async_op,
+                       lambda a: _reduce_scatter_flat(out, inp, group=group, async_op=a))
 
 
 class _Ring:
@@ -330,14 +338,8 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None,
             return work
         ringed: dist.Work | None = _logged("all_gather_into_tensor", _nbytes(out), out.device, ring, group)
         return ringed
-    host = out.device.type == "cpu"
-    work: dist.Work | None = _logged(
-        "all_gather_into_tensor", _nbytes(out), out.device,
-        lambda: _watched(_all_gather_flat(out, inp, group=group, async_op=async_op or host), out.device), group)
-    if not async_op and work is not None:  # on the host, waited in slices here
-        work.wait()
-        return None
-    return work
+    return _collective("all_gather_into_tensor", out, group, async_op,
+                       lambda a: _all_gather_flat(out, inp, group=group, async_op=a))
 
 
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, async_op: bool = True,
@@ -346,22 +348,15 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, async_op: bool 
     _begin("all-reduce")
     if world_size(group) == 1:
         return None
-    host = tensor.device.type == "cpu"
-    work: dist.Work | None = _logged(
-        "all_reduce", _nbytes(tensor), tensor.device,
-        lambda: _watched(dist.all_reduce(tensor, op=op, group=group, async_op=async_op or host), tensor.device), group)
-    if not async_op and work is not None:
-        work.wait()
-        return None
-    return work
+    return _collective("all_reduce", tensor, group, async_op,
+                       lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a))
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> None:
     """Blocking broadcast from global rank ``src``."""
     _begin("broadcast")
     if world_size(group) > 1:
-        _sync(_logged("broadcast", _nbytes(tensor), tensor.device, partial(_start_broadcast, tensor, src, group),
-                      group))
+        _collective("broadcast", tensor, group, False, partial(_start_broadcast, tensor, src, group))
 
 
 def barrier(group: ProcessGroup | None) -> None:
@@ -392,16 +387,14 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: Proces
         buckets = consecutive_runs(kind, lambda t: t.numel() * t.element_size(), bucket_bytes)
         for chunk in buckets:
             flat = torch.cat([x.reshape(-1) for x in chunk])
-            _sync(_logged("broadcast", _nbytes(flat), flat.device, partial(_start_broadcast, flat, src, group), group))
+            _collective("broadcast", flat, group, False, partial(_start_broadcast, flat, src, group))
             if receiving:
                 for x, piece in zip(chunk, flat.split([x.numel() for x in chunk])):
                     x.copy_(piece.view_as(x))
 
 
-def _start_broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> Any:
-    """A broadcast: on the host started asynchronously, to be waited in slices (:func:`_sync`)."""
-    host = tensor.device.type == "cpu"
-    return _watched(dist.broadcast(tensor, src=src, group=group, async_op=host), tensor.device)
+def _start_broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None, async_op: bool) -> Any:
+    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
 def _sync(work: Any) -> None:
